@@ -1,0 +1,103 @@
+"""SGMV: segmented gather matrix-vector products for batched LoRA.
+
+A batch mixes tokens for many adapters. Tokens are grouped by adapter slot into contiguous
+segments; tokens of the base model belong to no segment and get no delta. Per layer and projection
+group, the LoRA delta is two products:
+
+    shrink:  h[t, i*R:(i+1)*R] = x[t] @ A[slot(t), i*R:(i+1)*R, :]^T                  h: [T, n*R]
+    expand:  y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i*R:(i+1)*R] @ B[slot(t), o_i:o_{i+1}, :]^T
+
+where `n` slices share one input (q/k/v, or gate/up) and slice `i` writes output columns
+[o_i, o_{i+1}). `A` is [num_slots, n*R, in] and `B` is [num_slots, sum(out_i), R], with
+R = max_lora_rank; rows and columns past an adapter's true rank are zero, so any backend may
+ignore them.
+
+Backends implement `shrink` and `expand` with the signatures of the torch reference below and
+register themselves in `BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SgmvBatch:
+    """Per-step LoRA metadata, built once per step and shared by every layer.
+
+    Host lists drive the torch backend (the scheduler knows them on the host, so reading them
+    costs no device sync); device tensors drive the Triton kernels.
+    """
+
+    seg_starts: list[int]  # host: start token of each segment
+    seg_ends: list[int]  # host: end token (exclusive) of each segment
+    seg_slots_host: list[int]  # host: slot of each segment
+    seg_indptr: torch.Tensor  # [S+1] int32, device: segment boundaries (tokens sorted by slot)
+    seg_slots: torch.Tensor  # [S] int32, device: slot of each segment
+    slot_ranks: torch.Tensor  # [num_slots] int32, device: true rank per slot (0 = empty)
+    slot_scalings: torch.Tensor  # [num_slots] float32, device: lora_alpha / r (or rsLoRA)
+    slot_ranks_host: tuple[int, ...]  # host copy of slot_ranks
+    slot_scalings_host: tuple[float, ...]  # host copy of slot_scalings
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        assert len(self.seg_starts) == len(self.seg_ends) == len(self.seg_slots_host)
+        for s, e in zip(self.seg_starts, self.seg_ends, strict=True):
+            assert 0 <= s < e <= self.num_tokens, "segments must be non-empty and in range"
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seg_starts)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seg_starts
+
+
+def torch_shrink(
+    x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
+) -> torch.Tensor:
+    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] (zero rows for base tokens)."""
+    h = x.new_zeros(x.shape[0], a.shape[1])
+    max_rank = a.shape[1] // num_slices
+    for s, e, slot in zip(batch.seg_starts, batch.seg_ends, batch.seg_slots_host, strict=True):
+        r = batch.slot_ranks_host[slot]
+        for i in range(num_slices):
+            cols = slice(i * max_rank, i * max_rank + r)
+            h[s:e, cols] = x[s:e] @ a[slot, cols].t()
+    return h
+
+
+def torch_expand(
+    h: torch.Tensor,
+    b: torch.Tensor,
+    batch: SgmvBatch,
+    y: torch.Tensor,
+    out_offsets: tuple[int, ...],
+) -> None:
+    """h: [T, n*R]; b: [num_slots, sum(out_i), R]; y: [T, sum(out_i)] updated in place."""
+    num_slices = len(out_offsets) - 1
+    max_rank = b.shape[2]
+    assert h.shape[1] == num_slices * max_rank and y.shape[1] == out_offsets[-1]
+    for s, e, slot in zip(batch.seg_starts, batch.seg_ends, batch.seg_slots_host, strict=True):
+        r = batch.slot_ranks_host[slot]
+        scale = batch.slot_scalings_host[slot]
+        for i in range(num_slices):
+            o0, o1 = out_offsets[i], out_offsets[i + 1]
+            hs = h[s:e, i * max_rank : i * max_rank + r]
+            y[s:e, o0:o1] += scale * (hs @ b[slot, o0:o1, :r].t())
+
+
+ShrinkFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, int], torch.Tensor]
+ExpandFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None]
+
+BACKENDS: dict[str, tuple[ShrinkFn, ExpandFn]] = {"torch": (torch_shrink, torch_expand)}
+
+
+def get_backend(name: str) -> tuple[ShrinkFn, ExpandFn]:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown SGMV backend {name!r}; known: {sorted(BACKENDS)}")
+    return BACKENDS[name]

@@ -1,0 +1,170 @@
+"""Drives an `Engine` on its own thread and streams results to asyncio callers. No Ray.
+
+The engine is single-threaded: only the engine thread touches it. Callers hand it work through a
+thread-safe inbox (add, abort); results come back through one asyncio queue per request, filled
+with `call_soon_threadsafe` on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from replicas.engine import Engine, RequestRejected
+from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
+from replicas.request import Request, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="lorafleet-engine", daemon=True)
+        self.last_error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's tokens. Closing or cancelling the iteration aborts the request."""
+        if not self.alive:
+            yield _error_chunk(request.request_id, "the engine is not running", 503)
+            return
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request.request_id in self._streams:
+                yield _error_chunk(request.request_id, "duplicate request id", 400)
+                return
+            self._streams[request.request_id] = stream
+        self._post("add", request)
+        finished = False
+        try:
+            while not finished:
+                chunk = await stream.queue.get()
+                while not chunk.finished and not stream.queue.empty():
+                    chunk = _merge(chunk, stream.queue.get_nowait())
+                finished = chunk.finished
+                yield chunk
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not finished:
+                self._post("abort", request.request_id)
+
+    def _post(self, kind: str, item: object) -> None:
+        self._inbox.put((kind, item))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_work:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug or device error must not leave callers hanging
+                logger.exception("engine step failed; failing the requests in flight")
+                self.last_error = e
+                outputs = self.engine.abort_all(f"internal engine error: {e}")
+            for output in outputs:
+                self._deliver(output)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(item)
+            elif kind == "abort":
+                output = self.engine.abort(item)
+                if output is not None:
+                    logger.debug("aborted request %s", item)
+
+    def _add(self, request: GenerateRequest) -> None:
+        try:
+            self.engine.add_request(
+                Request(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    request.sampling,
+                    request.adapter,
+                )
+            )
+        except RequestRejected as e:
+            self._send(request.request_id, _error_chunk(request.request_id, str(e), e.status))
+        except ValueError as e:
+            self._send(request.request_id, _error_chunk(request.request_id, str(e), 400))
+
+    def _deliver(self, output: RequestOutput) -> None:
+        error = None
+        if output.error is not None:
+            status = 500 if output.error.startswith("internal") else 400
+            error = EngineError(output.error, status, _error_type(status))
+        self._send(
+            output.request_id,
+            GenerateChunk(
+                output.request_id,
+                list(output.new_token_ids),
+                output.finish_reason,
+                output.num_prompt_tokens,
+                error,
+            ),
+        )
+
+    def _send(self, request_id: str, chunk: GenerateChunk) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:  # the caller went away; its abort is on the way
+            return
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+
+
+def _error_type(status: int) -> str:
+    return {404: "NotFoundError", 503: "ServiceUnavailableError", 500: "InternalServerError"}.get(
+        status, "BadRequestError"
+    )
+
+
+def _error_chunk(request_id: str, message: str, status: int) -> GenerateChunk:
+    return GenerateChunk(
+        request_id, [], "error", 0, EngineError(message, status, _error_type(status))
+    )
+
+
+def _merge(a: GenerateChunk, b: GenerateChunk) -> GenerateChunk:
+    return GenerateChunk(
+        a.request_id,
+        a.token_ids + b.token_ids,
+        b.finish_reason,
+        b.num_prompt_tokens or a.num_prompt_tokens,
+        b.error,
+    )

@@ -1,0 +1,56 @@
+"""Frozen engine configuration. Built once from the app's pydantic args; never mutated.
+
+Values discovered at run time (number of KV blocks, the model's own context length) live on the
+runtime objects that discover them, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local Hugging Face model directory (config.json + safetensors)
+    device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto" before the engine is built)
+    dtype: str = (
+        "auto"  # "auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16", "float16"
+    )
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # token budget per step (decodes + prefill chunks)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction / the CPU default
+    kv_cache_memory_fraction: float = 0.85  # of free GPU memory, after weights and adapter slots
+    max_loras_per_batch: int = 8  # GPU adapter slots
+    max_lora_rank: int = 16
+    max_loaded_loras: int = 64  # adapters kept in host memory
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) known at start-up
+    adapter_root: str | None = None  # folder whose subfolders are adapters, found on first use
+    sgmv_backend: str = (
+        "auto"  # "auto" (triton on cuda when available, else torch), "torch", "triton"
+    )
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = field(default=())  # extra EOS ids beyond the model's own
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "max_loras_per_batch",
+            "max_lora_rank",
+            "max_loaded_loras",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+
+    @property
+    def adapter_paths(self) -> dict[str, str]:
+        return dict(self.adapters)

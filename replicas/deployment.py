@@ -1,0 +1,64 @@
+"""The Ray Serve deployment that wraps one engine replica. The only Ray code in `replicas/`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from ray import serve
+
+from replicas.async_engine import AsyncEngine
+from replicas.config import EngineConfig
+from replicas.engine import Engine
+from replicas.protocol import GenerateChunk, GenerateRequest
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
+class EngineDeployment:
+    """One engine replica. `prepare` runs first on the replica's node (it makes sure the model
+    files exist there, e.g. building the embedded demo); `engine_cls` is injectable for tests."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        prepare: Callable[[], object] | None = None,
+        engine_cls: type[Engine] = Engine,
+    ) -> None:
+        if prepare is not None:
+            prepare()
+        self.config = config
+        self.engine = AsyncEngine(engine_cls(config))
+        self.engine.start()
+        logger.info("engine replica ready on %s with model %s", config.device, config.model)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        async for chunk in self.engine.generate(request):
+            yield chunk
+
+    async def info(self) -> dict:
+        engine = self.engine.engine
+        return {
+            "max_model_len": engine.max_model_len,
+            "eos_token_ids": sorted(engine.eos_token_ids),
+            "vocab_size": engine.spec.vocab_size,
+        }
+
+    async def stats(self) -> dict:
+        engine = self.engine.engine
+        return {
+            "num_steps": engine.num_steps,
+            "max_adapters_in_step": engine.max_adapters_in_step,
+            "adapter_loads": engine.adapters.num_loads,
+            "resident_adapters": engine.adapters.slots.resident,
+            "num_free_kv_blocks": engine.blocks.num_free,
+        }
+
+    async def check_health(self) -> None:
+        if not self.engine.alive:
+            raise RuntimeError(f"engine loop stopped: {self.engine.last_error!r}")
+
+    def __del__(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,146 @@
+"""The engine: requests in, tokens out, one `step()` at a time. No threads, no Ray.
+
+step = schedule -> run the model -> postprocess (append tokens, finish requests)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from replicas.adapters.loader import AdapterError
+from replicas.adapters.manager import AdapterManager
+from replicas.config import EngineConfig
+from replicas.kv_cache import BlockAllocator
+from replicas.model_runner import ModelRunner
+from replicas.models.spec import ModelSpec
+from replicas.request import Request, RequestOutput, RequestStatus
+from replicas.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request the engine refuses before queueing it. `status` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.spec = ModelSpec.from_dir(config.model)
+        self.max_model_len = min(
+            config.max_model_len or self.spec.max_position_embeddings,
+            self.spec.max_position_embeddings,
+        )
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids + config.eos_token_ids)
+        self.runner = ModelRunner(config, self.spec, self.max_model_len)
+        self.adapters = AdapterManager(
+            self.spec,
+            self.runner.lora_pool,
+            config.max_lora_rank,
+            config.adapter_paths,
+            config.adapter_root,
+            config.max_loaded_loras,
+            self.runner.dtype,
+        )
+        self.blocks = BlockAllocator(self.runner.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.blocks,
+            self.adapters,
+        )
+        self.num_steps = 0
+        self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejected with a message fit for the client."""
+        n, limit = request.num_prompt_tokens, self.max_model_len
+        if n + request.sampling.max_tokens > limit:
+            raise RequestRejected(
+                f"this model's maximum context length is {limit} tokens; the request has "
+                f"{n} prompt tokens and asks for {request.sampling.max_tokens} more"
+            )
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise RequestRejected(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
+            )
+        if request.adapter is not None:
+            try:
+                self.adapters.resolve(request.adapter)
+            except AdapterError as e:
+                raise RequestRejected(str(e), e.status) from e
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        self.runner.forget(request_id)
+        return RequestOutput(request_id, [], request.finish_reason, None, request.num_prompt_tokens)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs = [
+            RequestOutput(r.request_id, [], r.finish_reason, r.error, r.num_prompt_tokens)
+            for r in sched.failed
+        ]
+        if sched.empty:
+            return outputs
+        self.num_steps += 1
+        self.max_adapters_in_step = max(
+            self.max_adapters_in_step,
+            len({s.request.adapter for s in sched.seqs if s.request.adapter is not None}),
+        )
+        sampling = [s for s in sched.seqs if s.samples]
+        tokens = self.runner.execute(sched.seqs)
+        for seq in sched.seqs:
+            seq.request.num_computed_tokens += seq.num_new_tokens
+        for seq, token in zip(sampling, tokens, strict=True):
+            request = seq.request
+            request.output_token_ids.append(token)
+            status = self._finish_status(request, token)
+            if status is not None:
+                self.scheduler.finish(request, status)
+                self.runner.forget(request.request_id)
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    [token],
+                    request.finish_reason,
+                    None,
+                    request.num_prompt_tokens,
+                )
+            )
+        return outputs
+
+    def _finish_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            len(request.output_token_ids) >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def abort_all(self, message: str) -> list[RequestOutput]:
+        """Fail every request (after an unrecoverable step error)."""
+        outputs = []
+        for request in list(self.scheduler.requests()):
+            self.scheduler.abort(request.request_id)
+            self.runner.forget(request.request_id)
+            outputs.append(
+                RequestOutput(request.request_id, [], "error", message, request.num_prompt_tokens)
+            )
+        return outputs

@@ -1,0 +1,125 @@
+"""Adapter weights on the device: one buffer per layer and projection group, indexed by slot.
+
+Groups share an input, so one shrink serves the whole group (see kernels/sgmv.py):
+    qkv:     q_proj, k_proj, v_proj     A [S, 3R, hidden]       B [S, q+2kv, R]
+    o:       o_proj                     A [S, R, q]             B [S, hidden, R]
+    gate_up: gate_proj, up_proj         A [S, 2R, hidden]       B [S, 2*inter, R]
+    down:    down_proj                  A [S, R, inter]         B [S, hidden, R]
+A projection an adapter does not target stays zero in its slot, so it adds nothing. The pool
+owns the buffers; `write` fills a slot that no running request uses (the slot pool guarantees it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sgmv import SgmvBatch, get_backend
+from replicas.adapters.loader import AdapterWeights
+from replicas.models.spec import ModelSpec
+
+LORA_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoraWeightPool:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str = "torch",
+    ) -> None:
+        self.spec = spec
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.device = device
+        self._shrink, self._expand = get_backend(backend)
+        self.out_offsets: dict[str, tuple[int, ...]] = {}
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for _ in range(spec.num_layers):
+            a_layer, b_layer = {}, {}
+            for group, targets in LORA_GROUPS.items():
+                d_in = spec.lora_dims(targets[0])[0]
+                outs = [spec.lora_dims(t)[1] for t in targets]
+                a_layer[group] = torch.zeros(
+                    num_slots, len(targets) * max_rank, d_in, dtype=dtype, device=device
+                )
+                b_layer[group] = torch.zeros(
+                    num_slots, sum(outs), max_rank, dtype=dtype, device=device
+                )
+                offsets = [0]
+                for o in outs:
+                    offsets.append(offsets[-1] + o)
+                self.out_offsets[group] = tuple(offsets)
+            self.a.append(a_layer)
+            self.b.append(b_layer)
+        self.ranks_host = [0] * num_slots
+        self.scalings_host = [0.0] * num_slots
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.a + self.b for t in layer.values())
+
+    def write(self, slot: int, weights: AdapterWeights) -> None:
+        """Copy an adapter into `slot`, clearing whatever was there before."""
+        R = self.max_rank
+        for layer in range(self.spec.num_layers):
+            for group, targets in LORA_GROUPS.items():
+                a, b = self.a[layer][group][slot], self.b[layer][group][slot]
+                a.zero_()
+                b.zero_()
+                offsets = self.out_offsets[group]
+                for i, target in enumerate(targets):
+                    pair = weights.modules.get((layer, target))
+                    if pair is None:
+                        continue
+                    wa, wb = pair
+                    r = wa.shape[0]
+                    a[i * R : i * R + r].copy_(wa, non_blocking=True)
+                    b[offsets[i] : offsets[i + 1], :r].copy_(wb, non_blocking=True)
+        self.ranks_host[slot] = weights.rank
+        self.scalings_host[slot] = weights.scaling
+        self.ranks[slot] = weights.rank
+        self.scalings[slot] = weights.scaling
+
+    def make_batch(self, seg_lens: list[int], seg_slots: list[int], num_tokens: int) -> SgmvBatch:
+        """Segments laid end to end from token 0 (the runner puts adapter tokens first, grouped by
+        slot, and base-model tokens after them)."""
+        starts, ends, pos = [], [], 0
+        for n in seg_lens:
+            starts.append(pos)
+            pos += n
+            ends.append(pos)
+        indptr = torch.tensor([0, *ends], dtype=torch.int32)
+        slots = torch.tensor(seg_slots, dtype=torch.int32)
+        return SgmvBatch(
+            seg_starts=starts,
+            seg_ends=ends,
+            seg_slots_host=list(seg_slots),
+            seg_indptr=indptr.to(self.device, non_blocking=True),
+            seg_slots=slots.to(self.device, non_blocking=True),
+            slot_ranks=self.ranks,
+            slot_scalings=self.scalings,
+            slot_ranks_host=tuple(self.ranks_host),
+            slot_scalings_host=tuple(self.scalings_host),
+            num_tokens=num_tokens,
+        )
+
+    def apply(
+        self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, batch: SgmvBatch
+    ) -> None:
+        """y [T, sum(out)] += LoRA delta of `group` for the tokens in `batch`'s segments."""
+        if batch.empty:
+            return
+        n = len(LORA_GROUPS[group])
+        h = self._shrink(x, self.a[layer][group], batch, n)
+        self._expand(h, self.b[layer][group], batch, y, self.out_offsets[group])

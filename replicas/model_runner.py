@@ -1,0 +1,188 @@
+"""Runs one scheduled step on the device: builds the flat batch, runs the model, samples.
+
+Token order inside a step: sequences with an adapter first, grouped by slot (so each slot's
+tokens form one SGMV segment), then base-model sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.attention import AttentionBatch
+from replicas.config import EngineConfig
+from replicas.kv_cache import blocks_for
+from replicas.lora import LoraWeightPool
+from replicas.models.llama import StepContext
+from replicas.models.spec import ModelSpec
+from replicas.models.weights import load_model
+from replicas.sampler import Sampler
+from replicas.scheduler import ScheduledSeq
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def resolve_dtype(config: EngineConfig) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.float32 if config.device == "cpu" else torch.bfloat16
+    return DTYPES[config.dtype]
+
+
+def resolve_sgmv_backend(config: EngineConfig) -> str:
+    if config.sgmv_backend != "auto":
+        return config.sgmv_backend
+    if config.device == "cpu":
+        return "torch"
+    try:
+        import kernels.sgmv_triton  # noqa: F401
+
+        return "triton"
+    except ImportError:
+        return "torch"
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int) -> None:
+        self.config = config
+        self.spec = spec
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config)
+        self.model = load_model(config.model, spec, self.dtype, self.device, max_model_len)
+        self.lora_pool = LoraWeightPool(
+            spec,
+            config.max_loras_per_batch,
+            config.max_lora_rank,
+            self.dtype,
+            self.device,
+            backend=resolve_sgmv_backend(config),
+        )
+        self.num_kv_blocks = self._num_kv_blocks(max_model_len)
+        shape = (self.num_kv_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(spec.num_layers)
+        ]
+        self.sampler = Sampler(self.device, config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        logger.info(
+            "model runner ready: %d KV blocks of %d tokens on %s (%s)",
+            self.num_kv_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+        )
+
+    def _kv_block_bytes(self) -> int:
+        s = self.spec
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.config.block_size * s.num_kv_heads * s.head_dim * itemsize
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        if self.config.num_kv_blocks is not None:
+            blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            blocks = int(free * self.config.kv_cache_memory_fraction) // self._kv_block_bytes()
+        else:
+            wanted = self.config.max_num_seqs * blocks_for(max_model_len, self.config.block_size)
+            blocks = min(wanted, CPU_KV_CACHE_BYTES // self._kv_block_bytes())
+        needed = blocks_for(max_model_len, self.config.block_size)
+        if blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {blocks} blocks of {self.config.block_size} tokens, fewer "
+                f"than one sequence of max_model_len {max_model_len} needs ({needed}); lower "
+                f"max_model_len or give the cache more memory"
+            )
+        return blocks
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[ScheduledSeq]) -> list[int]:
+        """Run one step. Returns the sampled token of every seq whose `samples` is true, in the
+        order of `seqs`."""
+        order = sorted(range(len(seqs)), key=lambda i: _slot_key(seqs[i]))
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        q_starts = [0]
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        seg_lens: list[int] = []
+        seg_slots: list[int] = []
+        bs = self.config.block_size
+        for i in order:
+            seq = seqs[i]
+            req = seq.request
+            start, end = seq.start, seq.start + seq.num_new_tokens
+            ids += req.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [req.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            q_starts.append(q_starts[-1] + seq.num_new_tokens)
+            ctx_lens.append(end)
+            tables.append(req.block_table)
+            if req.slot is not None:
+                if seg_slots and seg_slots[-1] == req.slot:
+                    seg_lens[-1] += seq.num_new_tokens
+                else:
+                    seg_lens.append(seq.num_new_tokens)
+                    seg_slots.append(req.slot)
+        num_tokens = len(ids)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        dev = self.device
+        attn = AttentionBatch(
+            q_starts=q_starts,
+            ctx_lens=ctx_lens,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(dev),
+            block_table=table.to(dev),
+            ctx_lens_t=torch.tensor(ctx_lens, dtype=torch.int32).to(dev),
+            q_starts_t=torch.tensor(q_starts, dtype=torch.int32).to(dev),
+            block_size=bs,
+            sliding_window=self.spec.sliding_window,
+        )
+        ctx = StepContext(
+            attn=attn,
+            lora=self.lora_pool.make_batch(seg_lens, seg_slots, num_tokens),
+            kv_caches=self.kv_caches,
+            lora_pool=self.lora_pool,
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64).to(dev),
+            torch.tensor(positions, dtype=torch.int64).to(dev),
+            ctx,
+        )
+        rows = [k for k, i in enumerate(order) if seqs[i].samples]
+        if not rows:
+            return []
+        last = torch.tensor([q_starts[k + 1] - 1 for k in rows], dtype=torch.int64).to(dev)
+        logits = self.model.logits(hidden[last])
+        sampled = [seqs[order[k]] for k in rows]
+        tokens = self.sampler.sample(
+            logits,
+            [s.request.sampling for s in sampled],
+            [self._generator(s) for s in sampled],
+        ).tolist()  # the step's one device->host transfer: the sampled tokens
+        by_seq = {order[k]: t for k, t in zip(rows, tokens, strict=True)}
+        return [by_seq[i] for i in sorted(by_seq)]
+
+    def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:
+        req = seq.request
+        if req.sampling.seed is None or req.sampling.greedy:
+            return None
+        if req.request_id not in self._generators:
+            self._generators[req.request_id] = self.sampler.make_generator(req.sampling.seed)
+        return self._generators[req.request_id]
+
+
+def _slot_key(seq: ScheduledSeq) -> tuple[int, int]:
+    slot = seq.request.slot
+    return (1, 0) if slot is None else (0, slot)

@@ -1,0 +1,120 @@
+"""A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache,
+with batched multi-adapter LoRA on every projection.
+
+The forward pass takes one flat batch of tokens from many sequences (prefill chunks and decodes
+mixed); `StepContext` says where each sequence's tokens are, where its KV lives and which adapter
+slot each token uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBatch, store_kv, torch_paged_attention
+from kernels.sgmv import SgmvBatch
+from replicas.lora import LoraWeightPool
+from replicas.models.rope import RotaryEmbedding
+from replicas.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class StepContext:
+    attn: AttentionBatch
+    lora: SgmvBatch
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    lora_pool: LoraWeightPool | None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.index = index
+        self.spec = spec
+        h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+        eps, i = spec.rms_norm_eps, spec.intermediate_size
+        self.input_layernorm = RMSNorm(h, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype)
+        self.qkv_proj = _weight(q + 2 * kv, h, dtype=dtype)
+        self.qkv_bias = _weight(q + 2 * kv, dtype=dtype) if spec.attention_bias else None
+        self.o_proj = _weight(h, q, dtype=dtype)
+        self.gate_up_proj = _weight(2 * i, h, dtype=dtype)
+        self.down_proj = _weight(h, i, dtype=dtype)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, eps, dtype)
+            self.k_norm = RMSNorm(spec.head_dim, eps, dtype)
+        self.scale = spec.head_dim**-0.5
+
+    def _project(self, x, weight, group, ctx: StepContext, bias=None) -> torch.Tensor:
+        y = F.linear(x, weight, bias)
+        if ctx.lora_pool is not None:
+            ctx.lora_pool.apply(self.index, group, x, y, ctx.lora)
+        return y
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext
+    ) -> torch.Tensor:
+        spec = self.spec
+        T = x.shape[0]
+        h = self.input_layernorm(x)
+        qkv = self._project(h, self.qkv_proj, "qkv", ctx, self.qkv_bias)  # [T, q + 2kv]
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = q.reshape(T, spec.num_heads, spec.head_dim)
+        k = k.reshape(T, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(T, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions), rope(k, positions)
+        k_cache, v_cache = ctx.kv_caches[self.index]
+        store_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        attn = torch_paged_attention(q, k_cache, v_cache, ctx.attn, self.scale)
+        x = x + self._project(attn.reshape(T, spec.q_size), self.o_proj, "o", ctx)
+        h = self.post_attention_layernorm(x)
+        gate, up = self._project(h, self.gate_up_proj, "gate_up", ctx).chunk(2, dim=-1)
+        return x + self._project(F.silu(gate) * up, self.down_proj, "down", ctx)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        v, h = spec.vocab_size, spec.hidden_size
+        self.embed_tokens = _weight(v, h, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype) for i in range(spec.num_layers))
+        self.norm = RMSNorm(h, spec.rms_norm_eps, dtype)
+        self.lm_head = None if spec.tie_word_embeddings else _weight(v, h, dtype=dtype)
+        self.rope = RotaryEmbedding(spec.rope, spec.head_dim, max_positions)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()

@@ -1,0 +1,45 @@
+"""Rotary position embeddings (the half-split layout Llama, Mistral and Qwen checkpoints use)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from replicas.models.spec import RopeSpec
+
+
+def inverse_frequencies(spec: RopeSpec, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if spec.kind == "linear":
+        inv = inv / spec.factor
+    elif spec.kind == "llama3":
+        # Llama 3.1 long-context scaling: long wavelengths are divided by `factor`, short ones kept,
+        # and the band between them interpolated smoothly.
+        low_wavelen = spec.original_max_position / spec.low_freq_factor
+        high_wavelen = spec.original_max_position / spec.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (
+            spec.high_freq_factor - spec.low_freq_factor
+        )
+        blended = (1 - smooth) * inv / spec.factor + smooth * inv
+        inv = torch.where(wavelen > low_wavelen, inv / spec.factor, inv)
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, blended, inv)
+    return inv.float()
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, spec: RopeSpec, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv = inverse_frequencies(spec, head_dim)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D], positions: [T] -> x rotated."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

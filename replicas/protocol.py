@@ -1,0 +1,43 @@
+"""What crosses the boundary between the ingress and an engine replica.
+
+`EngineDeployment.generate(GenerateRequest)` is an async generator of `GenerateChunk`s: zero or
+more chunks of new token ids, the last one carrying `finish_reason`. A request the engine refuses
+yields exactly one chunk with `error` set and `finish_reason == "error"`. Cancelling the generator
+(client disconnect) aborts the request and frees its KV blocks and adapter slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replicas.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    adapter: str | None = None  # adapter name, None for the base model
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """A refusal with the HTTP status the ingress should answer with."""
+
+    message: str
+    status: int = 400  # 400 bad request, 404 unknown adapter, 503 overloaded, 500 internal
+    type: str = "BadRequestError"
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    num_prompt_tokens: int = 0
+    error: EngineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,188 @@
+"""Continuous-batching scheduler. Plain Python: no torch, no Ray.
+
+Each step mixes decodes and prefill chunks under a token budget:
+1. Running requests first, oldest first: a decode costs one token, an unfinished prefill
+   continues with as large a chunk as the budget allows. When the KV cache is full, the newest
+   running request is preempted (blocks freed, recomputed later) so older ones progress.
+2. Then waiting requests in arrival order, while there is room (`max_num_seqs`, the token budget,
+   free KV blocks). A request for an adapter needs a hold on the adapter's slot; if no slot can be
+   had now, the request stays waiting and later requests may pass it only when they need no new
+   slot (the base model, or an adapter already resident), so the blocked request gets the next
+   slot that frees up instead of being starved by newcomers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from replicas.kv_cache import BlockAllocator
+from replicas.request import Request, RequestStatus
+
+
+class AdapterLoadError(RuntimeError):
+    """An adapter could not be made resident (bad files, unknown name). Fails only its request."""
+
+
+class AdapterGate(Protocol):
+    """Where the scheduler gets adapter slots. Implemented by the engine's adapter manager."""
+
+    def is_resident(self, adapter: str) -> bool:
+        """The adapter already sits in a slot (acquiring it needs no new slot)."""
+
+    def acquire(self, adapter: str) -> int | None:
+        """Hold the adapter's slot for one request, making it resident first if needed. Returns
+        the slot, or None when no slot can be had now. Raises AdapterLoadError."""
+
+    def release(self, adapter: str) -> None:
+        """Drop one hold taken by `acquire`."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int  # tokens fed to the model this step, from request.num_computed_tokens
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the known tokens, so the step samples the next one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # refused at admission, now finished
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, adapters: AdapterGate):
+        self.config = config
+        self.blocks = blocks
+        self.adapters = adapters
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def requests(self) -> Iterator[Request]:
+        yield from self.running
+        yield from self.waiting
+
+    def add(self, request: Request) -> None:
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id} is {request.status}, not waiting")
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._finish(request, RequestStatus.FINISHED_ABORTED)
+                    return request
+        return None
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a running request (stop, length or error): frees its blocks and slot."""
+        self.running.remove(request)
+        self._finish(request, status)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(request.num_pending_tokens, budget)
+            while not self.blocks.grow(request.block_table, request.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.seqs.append(ScheduledSeq(request, n))
+                budget -= n
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        slot_blocked = False
+        for request in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if request.adapter is not None:
+                if slot_blocked and not self.adapters.is_resident(request.adapter):
+                    continue
+                try:
+                    slot = self.adapters.acquire(request.adapter)
+                except AdapterLoadError as e:
+                    self.waiting.remove(request)
+                    request.error = str(e)
+                    request.status = RequestStatus.FINISHED_ERROR
+                    out.failed.append(request)
+                    continue
+                if slot is None:
+                    slot_blocked = True
+                    continue
+                request.slot = slot
+            n = min(request.num_pending_tokens, budget)
+            if not self.blocks.grow(request.block_table, request.num_computed_tokens + n):
+                self._release_slot(request)
+                break
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.seqs.append(ScheduledSeq(request, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free_resources(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._free_resources(request)
+        request.status = status
+
+    def _free_resources(self, request: Request) -> None:
+        if request.block_table:
+            self.blocks.free(request.block_table)
+            request.block_table = []
+        self._release_slot(request)
+
+    def _release_slot(self, request: Request) -> None:
+        if request.slot is not None:
+            self.adapters.release(request.adapter)
+            request.slot = None
