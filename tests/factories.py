@@ -1,0 +1,144 @@
+"""Small models and adapters for tests, and transformers/PEFT as the reference implementation.
+
+Models come from `app.demo.write_llama_model` (seeded, float32, byte tokenizer). Adapters come from
+the real peft library, so our loader and kernels are checked against files PEFT itself wrote.
+`hf_greedy` and `hf_logits` are what our engine's outputs are compared with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from app.demo import LORA_MODULES, build_byte_tokenizer, write_llama_model
+
+# Small enough that a test builds and runs one in well under a second, but with GQA (4 query
+# heads over 2 KV heads) and more than one layer, so head grouping and layer indexing are tested.
+SMALL_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=256,
+    seed=0,
+)
+
+# Per-arch differences that our model code must honour: qwen3's head_dim (32) differs from
+# hidden_size / num_heads (16), so q_proj is [128, 64] and o_proj is [64, 128].
+_ARCH_DEFAULTS: dict[str, dict] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},  # transformers hard-codes bias on q/k/v for Qwen2
+    "qwen3": {"head_dim": 32},
+}
+
+
+def make_model(tmp_dir: str | Path, arch: str = "llama", **overrides) -> Path:
+    """Write a small `arch` model (llama, mistral, qwen2, qwen3) under `tmp_dir`; return its folder.
+
+    `overrides` replace any `write_llama_model` argument (e.g. `tie_word_embeddings=True`,
+    `seed=3`, `num_layers=3`). The vocabulary is exactly the byte tokenizer's 259 ids unless
+    `vocab_size` is given.
+    """
+    if arch not in _ARCH_DEFAULTS:
+        raise ValueError(f"unknown arch {arch!r}")
+    tokenizer = build_byte_tokenizer()
+    kwargs = {**SMALL_MODEL, **_ARCH_DEFAULTS[arch], "vocab_size": len(tokenizer), **overrides}
+    tied = "-tied" if kwargs.get("tie_word_embeddings") else ""
+    out = Path(tmp_dir) / f"{arch}{tied}-seed{kwargs['seed']}"
+    return write_llama_model(out, arch=arch, tokenizer=tokenizer, **kwargs)
+
+
+def make_adapter(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    rank: int,
+    lora_alpha: float | None = None,
+    target_modules: Iterable[str] = LORA_MODULES,
+    use_rslora: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a LoRA adapter for `model_dir` with peft itself; return `out_dir`.
+
+    `init_lora_weights=False` keeps torch's default Linear init for both A and B (PEFT's default
+    would zero B, making the adapter a no-op); the init runs under `seed` without touching the
+    caller's global RNG state. `lora_alpha` defaults to `rank` (scaling 1 without rsLoRA).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=rank if lora_alpha is None else lora_alpha,
+        target_modules=sorted(target_modules),
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        init_lora_weights=False,
+    )
+    base = _load_model(model_dir)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(base, config)
+    out = Path(out_dir)
+    peft_model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _load_model(model_dir: str | Path, adapter_dir: str | Path | None = None) -> torch.nn.Module:
+    """A fresh float32 eval-mode model (with the adapter applied when given).
+
+    Always a fresh load: PEFT injects its layers into the base model in place.
+    """
+    from transformers import AutoModelForCausalLM
+
+    # eager attention: the plain softmax(QK^T)V reference, with no backend-specific kernels.
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(
+    model_dir: str | Path,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    adapter_dir: str | Path | None = None,
+) -> list[int]:
+    """Exactly `max_new_tokens` greedy tokens after `prompt_ids`, from transformers in float32.
+
+    EOS neither stops generation nor is masked (like `ignore_eos` in vLLM): each step takes the
+    plain argmax, so an engine that ignores EOS must produce the same ids.
+    """
+    from transformers import DynamicCache
+
+    model = _load_model(model_dir, adapter_dir)
+    cache = DynamicCache()
+    step_input = torch.tensor([prompt_ids], dtype=torch.long)  # [1, S]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=step_input, past_key_values=cache, use_cache=True).logits
+        next_id = int(logits[0, -1].argmax())
+        out.append(next_id)
+        step_input = torch.tensor([[next_id]], dtype=torch.long)  # [1, 1]
+    return out
+
+
+@torch.inference_mode()
+def hf_logits(
+    model_dir: str | Path,
+    input_ids: list[int],
+    adapter_dir: str | Path | None = None,
+) -> torch.Tensor:
+    """Logits of one forward pass over `input_ids`: [seq, vocab] float32."""
+    model = _load_model(model_dir, adapter_dir)
+    return model(input_ids=torch.tensor([input_ids], dtype=torch.long)).logits[0].float()

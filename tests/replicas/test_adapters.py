@@ -1,0 +1,140 @@
+"""Adapter files: validation with clear errors, slot pool and host cache rules."""
+
+import json
+import shutil
+
+import pytest
+
+from replicas.adapters.host_cache import HostCache
+from replicas.adapters.loader import AdapterError, load_adapter, read_adapter_config
+from replicas.adapters.slot_pool import NoFreeSlot, SlotPool
+from replicas.models.spec import ModelSpec
+from replicas.request import Request
+from tests.factories import hf_greedy, make_adapter
+from tests.replicas.conftest import greedy, make_engine, run_to_completion
+
+
+@pytest.fixture(scope="module")
+def good_adapter(models, tmp_path_factory):
+    return make_adapter(models["llama"], tmp_path_factory.mktemp("good") / "good", rank=8,
+                        lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=1)
+
+
+def broken_copy(good, tmp_path, name):
+    path = tmp_path / name
+    shutil.copytree(good, path)
+    return path
+
+
+class TestValidation:
+    def test_missing_folder_is_404(self, tmp_path):
+        with pytest.raises(AdapterError, match="does not exist") as e:
+            read_adapter_config(tmp_path / "nope", 16)
+        assert e.value.status == 404
+
+    def test_invalid_json_config(self, good_adapter, tmp_path):
+        path = broken_copy(good_adapter, tmp_path, "badjson")
+        (path / "adapter_config.json").write_text("{not json")
+        with pytest.raises(AdapterError, match="not valid JSON") as e:
+            read_adapter_config(path, 16)
+        assert e.value.status == 400
+
+    def test_rank_above_max(self, good_adapter):
+        with pytest.raises(AdapterError, match="rank 8, above max_lora_rank 4"):
+            read_adapter_config(good_adapter, 4)
+
+    def test_pickle_only_weights_are_refused(self, good_adapter, tmp_path):
+        path = broken_copy(good_adapter, tmp_path, "pickle")
+        (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
+        with pytest.raises(AdapterError, match="pickle"):
+            read_adapter_config(path, 16)
+
+    def test_unsupported_target(self, good_adapter, tmp_path):
+        path = broken_copy(good_adapter, tmp_path, "embed")
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        cfg["target_modules"] = ["q_proj", "embed_tokens"]
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(AdapterError, match="embed_tokens"):
+            read_adapter_config(path, 16)
+
+    @pytest.mark.parametrize("cut", [0, 40, -100])
+    def test_truncated_or_corrupt_safetensors(self, models, good_adapter, tmp_path, cut):
+        path = broken_copy(good_adapter, tmp_path, f"trunc{cut}")
+        weights = path / "adapter_model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes(data[:cut] if cut else b"\x00" * 64)
+        spec = ModelSpec.from_dir(models["llama"])
+        with pytest.raises(AdapterError, match="unreadable"):
+            load_adapter("t", path, spec, 16)
+
+    def test_shapes_checked_against_the_model(self, models, good_adapter):
+        with pytest.raises(AdapterError, match="the model needs A"):
+            load_adapter("x", good_adapter, ModelSpec.from_dir(models["qwen3"]), 16)
+
+    def test_corrupt_adapter_fails_its_request_only(self, models, good_adapter, tmp_path):
+        bad = broken_copy(good_adapter, tmp_path, "corrupt")
+        (bad / "adapter_model.safetensors").write_bytes(b"garbage")
+        engine = make_engine(models["llama"],
+                             adapters=(("good", str(good_adapter)), ("bad", str(bad))))
+        prompt = [5, 6, 7, 8]
+        results = run_to_completion(engine, [Request("b", prompt, greedy(4), "bad"),
+                                             Request("g", prompt, greedy(4), "good"),
+                                             Request("n", prompt, greedy(4))])
+        assert results["b"] == ([], "error")
+        assert results["g"][0] == hf_greedy(models["llama"], prompt, 4, adapter_dir=good_adapter)
+        assert results["n"][0] == hf_greedy(models["llama"], prompt, 4)
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+class TestSlotPool:
+    def test_held_and_pinned_adapters_are_never_evicted(self):
+        pool = SlotPool(3)
+        pool.assign("pinned", pinned=True)
+        pool.assign("busy")
+        pool.hold("busy")
+        pool.assign("idle")
+        moved = pool.assign("new")
+        assert moved.evicted == "idle"
+        pool.hold("new")
+        with pytest.raises(NoFreeSlot):
+            pool.assign("another")
+        assert set(pool.resident) == {"pinned", "busy", "new"}
+
+    def test_least_recently_used_goes_first(self):
+        pool = SlotPool(2)
+        pool.assign("a")
+        pool.assign("b")
+        pool.hold("a")
+        pool.release("a")  # a is now the most recently used
+        assert pool.assign("c").evicted == "b"
+
+    def test_slots_never_shared(self):
+        pool = SlotPool(4)
+        for i in range(20):
+            name = f"a{i}"
+            pool.assign(name)
+            if i % 3 == 0:
+                pool.hold(name)
+            slots = list(pool.resident.values())
+            assert len(slots) == len(set(slots))
+            if pool.num_held == 4:
+                break
+
+    def test_remove_refuses_held_adapter(self):
+        pool = SlotPool(1)
+        pool.assign("a")
+        pool.hold("a")
+        with pytest.raises(ValueError, match="held"):
+            pool.remove("a")
+        pool.release("a")
+        pool.remove("a")
+        assert pool.assign("b").slot == 0
+
+
+def test_host_cache_evicts_lru_but_not_pinned():
+    cache: HostCache[int] = HostCache(2)
+    cache.put("p", 1, pinned=True)
+    cache.put("a", 2)
+    cache.get("p")
+    assert cache.put("b", 3) == ["a"]
+    assert "p" in cache and "b" in cache and len(cache) == 2

@@ -1,0 +1,239 @@
+"""Scheduler and KV allocator invariants, without torch or Ray."""
+
+import subprocess
+import sys
+
+import pytest
+
+from replicas.kv_cache import BlockAllocator, OutOfBlocks, blocks_for
+from replicas.request import Request, RequestStatus, SamplingParams
+from replicas.scheduler import AdapterLoadError, Scheduler, SchedulerConfig
+
+
+class FakeGate:
+    """Adapter slots without weights: `capacity` slots, LRU-free reuse of unheld ones."""
+
+    def __init__(self, capacity: int = 2, broken: tuple[str, ...] = ()) -> None:
+        self.capacity = capacity
+        self.holds: dict[str, int] = {}
+        self.broken = broken
+
+    def is_resident(self, adapter: str) -> bool:
+        return adapter in self.holds
+
+    def acquire(self, adapter: str) -> int | None:
+        if adapter in self.broken:
+            raise AdapterLoadError(f"adapter {adapter} is corrupt")
+        if adapter not in self.holds:
+            if len(self.holds) >= self.capacity:
+                idle = [a for a, n in self.holds.items() if n == 0]
+                if not idle:
+                    return None
+                del self.holds[idle[0]]
+            self.holds[adapter] = 0
+        self.holds[adapter] += 1
+        return sorted(self.holds).index(adapter)
+
+    def release(self, adapter: str) -> None:
+        assert self.holds[adapter] > 0
+        self.holds[adapter] -= 1
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, gate=None):
+    blocks = BlockAllocator(num_blocks, block_size)
+    config = SchedulerConfig(max_num_seqs, budget, max_model_len=1024)
+    return Scheduler(config, blocks, gate or FakeGate()), blocks
+
+
+def req(rid, n_prompt=6, adapter=None, max_tokens=4):
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
+                   adapter)
+
+
+def assert_no_block_overlap(scheduler: Scheduler, blocks: BlockAllocator) -> None:
+    seen: set[int] = set()
+    for r in scheduler.requests():
+        assert not seen & set(r.block_table), "a KV block is owned by two requests"
+        seen |= set(r.block_table)
+    assert seen == blocks._used
+    assert blocks.num_free + blocks.num_used == blocks.num_blocks
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    """Pretend the model ran: advance computed tokens and sample for sequences that sample."""
+    out = scheduler.schedule()
+    for seq in out.seqs:
+        samples = seq.samples
+        seq.request.num_computed_tokens += seq.num_new_tokens
+        if samples:
+            r = seq.request
+            r.output_token_ids.append(token)
+            if len(r.output_token_ids) >= r.sampling.max_tokens:
+                scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+class TestBlockAllocator:
+    def test_never_hands_out_a_block_twice(self):
+        a = BlockAllocator(10, 4)
+        first, second = a.allocate(4), a.allocate(6)
+        assert not set(first) & set(second)
+        with pytest.raises(OutOfBlocks):
+            a.allocate(1)
+        a.free(first)
+        assert sorted(a.allocate(4)) == sorted(first)
+
+    def test_double_free_is_refused(self):
+        a = BlockAllocator(4, 4)
+        blocks = a.allocate(2)
+        a.free(blocks)
+        with pytest.raises(ValueError, match="not allocated"):
+            a.free(blocks[:1])
+
+    def test_grow_is_all_or_nothing(self):
+        a = BlockAllocator(3, 4)
+        table: list[int] = []
+        assert a.grow(table, 8) and len(table) == 2
+        assert not a.grow(table, 17)  # needs 5 blocks, only 3 exist
+        assert len(table) == 2 and a.num_free == 1
+        assert blocks_for(9, 4) == 3
+
+
+class TestScheduling:
+    def test_prefill_and_decode_share_a_step(self):
+        s, blocks = make_scheduler()
+        s.add(req("a"))
+        run_step(s)
+        s.add(req("b"))
+        out = run_step(s)
+        kinds = {seq.request.request_id: seq.num_new_tokens for seq in out.seqs}
+        assert kinds == {"a": 1, "b": 6}
+        assert_no_block_overlap(s, blocks)
+
+    def test_token_budget_chunks_long_prefills(self):
+        s, blocks = make_scheduler(budget=8)
+        s.add(req("long", n_prompt=20))
+        chunks = [run_step(s).seqs[0].num_new_tokens for _ in range(3)]
+        assert chunks == [8, 8, 4]
+        assert s.running[0].output_token_ids == [7]
+        assert_no_block_overlap(s, blocks)
+
+    def test_max_num_seqs_bounds_running(self):
+        s, _ = make_scheduler(max_num_seqs=2)
+        for i in range(5):
+            s.add(req(f"r{i}"))
+        run_step(s)
+        assert len(s.running) == 2 and len(s.waiting) == 3
+
+    def test_everything_is_freed_when_requests_finish(self):
+        s, blocks = make_scheduler(gate=FakeGate(capacity=2))
+        gate = s.adapters
+        for i in range(6):
+            s.add(req(f"r{i}", adapter=["x", "y", None][i % 3], max_tokens=3))
+        for _ in range(50):
+            if not s.has_work:
+                break
+            run_step(s)
+            assert_no_block_overlap(s, blocks)
+        assert not s.has_work
+        assert blocks.num_free == blocks.num_blocks
+        assert all(n == 0 for n in gate.holds.values())
+
+    def test_abort_frees_blocks_and_slot(self):
+        s, blocks = make_scheduler()
+        s.add(req("a", adapter="x"))
+        s.add(req("b"))
+        run_step(s)
+        aborted = s.abort("a")
+        assert aborted is not None and aborted.status is RequestStatus.FINISHED_ABORTED
+        assert aborted.block_table == [] and aborted.slot is None
+        assert s.adapters.holds["x"] == 0
+        assert s.abort("a") is None
+        s.abort("b")
+        assert blocks.num_free == blocks.num_blocks
+
+    def test_abort_of_waiting_request(self):
+        s, blocks = make_scheduler(max_num_seqs=1)
+        s.add(req("a"))
+        s.add(req("b"))
+        run_step(s)
+        assert s.abort("b").status is RequestStatus.FINISHED_ABORTED
+        assert [r.request_id for r in s.requests()] == ["a"]
+
+
+class TestPreemption:
+    def test_newest_request_is_preempted_when_blocks_run_out(self):
+        # 6 blocks of 4 tokens; two 8-token prompts take 4 blocks, decoding needs more.
+        s, blocks = make_scheduler(num_blocks=6, block_size=4)
+        s.add(req("old", n_prompt=8, max_tokens=20))
+        s.add(req("new", n_prompt=8, max_tokens=20))
+        preempted = []
+        for _ in range(10):
+            out = run_step(s)
+            preempted += [r.request_id for r in out.preempted]
+            assert_no_block_overlap(s, blocks)
+        assert preempted and set(preempted) == {"new"}
+        assert s.waiting[0].request_id == "new" and s.waiting[0].num_computed_tokens == 0
+        old = next(r for r in s.running if r.request_id == "old")
+        assert len(old.output_token_ids) == 10
+
+    def test_preempted_request_recomputes_its_outputs(self):
+        s, blocks = make_scheduler(num_blocks=5, block_size=4)
+        s.add(req("a", n_prompt=8, max_tokens=6))
+        s.add(req("b", n_prompt=8, max_tokens=6))
+        for _ in range(40):
+            if not s.has_work:
+                break
+            run_step(s)
+            assert_no_block_overlap(s, blocks)
+        assert not s.has_work and blocks.num_free == 5
+
+
+class TestAdapterAdmission:
+    def test_request_waits_for_a_slot_and_does_not_block_others(self):
+        gate = FakeGate(capacity=1)
+        s, _ = make_scheduler(gate=gate)
+        s.add(req("x1", adapter="x", max_tokens=5))
+        run_step(s)
+        s.add(req("y1", adapter="y"))  # needs a slot; x holds the only one
+        s.add(req("base"))
+        s.add(req("x2", adapter="x"))  # x is resident: may pass y1
+        out = run_step(s)
+        admitted = {seq.request.request_id for seq in out.seqs}
+        assert {"base", "x2"} <= admitted and "y1" not in admitted
+
+    def test_blocked_request_is_not_starved_by_new_adapters(self):
+        gate = FakeGate(capacity=2)
+        s, _ = make_scheduler(gate=gate)
+        s.add(req("a1", adapter="a", max_tokens=3))
+        s.add(req("b1", adapter="b", max_tokens=3))
+        run_step(s)
+        s.add(req("c1", adapter="c"))  # blocked: both slots held
+        s.add(req("d1", adapter="d"))  # also needs a new slot: must not jump ahead of c1
+        finished_order = []
+        for _ in range(30):
+            if not s.has_work:
+                break
+            before = {r.request_id for r in s.running}
+            run_step(s)
+            finished_order += sorted(before - {r.request_id for r in s.running})
+        admitted_c = "c1" in finished_order
+        assert admitted_c and finished_order.index("c1") <= finished_order.index("d1")
+
+    def test_adapter_that_fails_to_load_fails_only_its_request(self):
+        s, blocks = make_scheduler(gate=FakeGate(broken=("bad",)))
+        s.add(req("bad1", adapter="bad"))
+        s.add(req("ok"))
+        out = s.schedule()
+        assert [r.request_id for r in out.failed] == ["bad1"]
+        assert out.failed[0].status is RequestStatus.FINISHED_ERROR
+        assert "corrupt" in out.failed[0].error
+        assert [seq.request.request_id for seq in out.seqs] == ["ok"]
+
+
+def test_policy_modules_import_without_torch():
+    code = (
+        "import sys, replicas.scheduler, replicas.kv_cache, replicas.adapters.slot_pool, "
+        "replicas.adapters.host_cache; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
