@@ -54,6 +54,9 @@ class EngineDeployment:
             "adapter_loads": engine.adapters.num_loads,
             "resident_adapters": engine.adapters.slots.resident,
             "num_free_kv_blocks": engine.blocks.num_free,
+            "num_kv_blocks": engine.blocks.num_blocks,
+            "num_running": len(engine.scheduler.running),
+            "num_waiting": len(engine.scheduler.waiting),
         }
 
     async def check_health(self) -> None:

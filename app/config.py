@@ -1,0 +1,179 @@
+"""The application's arguments: the `args:` block of a Serve config YAML, validated with pydantic.
+
+Unknown keys are refused so a typo fails at deploy time instead of being silently ignored. Checks
+that need the file system (adapter folders, the model directory) run at build time, in
+`app.main.build_app`, on the node that builds the application.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from app.adapters import check_adapter_name
+from replicas.config import EngineConfig
+
+DEMO_MODEL_NAME = "lorafleet-demo"
+
+
+def looks_like_local_path(model: str) -> bool:
+    """True when `model` names a folder on disk rather than a Hugging Face hub id."""
+    return (
+        model.startswith(("/", "./", "../", "~"))
+        or model == "."
+        or Path(model).expanduser().exists()
+    )
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(
+        default=None,
+        description=(
+            "The base model: a local Hugging Face model folder (config.json, safetensors, "
+            "tokenizer) or a hub id. null serves the embedded demo model, built on first start."
+        ),
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description=(
+            "The name clients put in `model` for the base model. Default: the model folder's "
+            f"name, the hub id, or {DEMO_MODEL_NAME!r} for the demo."
+        ),
+    )
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "LoRA adapters known at start-up, name -> PEFT folder (adapter_config.json and "
+            "adapter_model.safetensors). Each is validated when the application is built."
+        ),
+    )
+    adapter_root: str | None = Field(
+        default=None,
+        description=(
+            "A folder whose subfolders are adapters, each served under its folder name and "
+            "validated the first time a request names it. Must be readable at the same path "
+            "from every node."
+        ),
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="Where engine replicas run. auto: cuda when the Ray cluster has GPUs.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Weight and activation dtype. auto: bfloat16 on cuda, float32 on cpu.",
+    )
+    num_replicas: int = Field(
+        default=1, ge=1, description="Engine replicas (one GPU each on cuda)."
+    )
+    num_ingress_replicas: int = Field(
+        default=1,
+        ge=1,
+        description="HTTP ingress replicas (CPU: validation, chat templates, tokenization).",
+    )
+    max_loras_per_batch: int = Field(
+        default=8, ge=1, description="GPU adapter slots per engine replica."
+    )
+    max_loaded_loras: int = Field(
+        default=64,
+        ge=1,
+        description="Adapters in host memory per engine replica (at least max_loras_per_batch).",
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, description="The largest adapter rank served; higher ranks are refused."
+    )
+    max_num_seqs: int = Field(
+        default=64, ge=1, description="Requests running at once per engine replica."
+    )
+    max_num_batched_tokens: int = Field(
+        default=2048,
+        ge=1,
+        description="Token budget of one engine step (decodes plus prefill chunks).",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Context length (prompt + output). null: the model's max_position_embeddings.",
+    )
+    kv_cache_memory_fraction: float = Field(
+        default=0.85,
+        gt=0.0,
+        le=1.0,
+        description="Share of the GPU memory left after weights and adapter slots for KV cache.",
+    )
+    enable_prefetch: bool = Field(
+        default=True,
+        description="Load adapters into GPU slots ahead of need, from the queue and router hints.",
+    )
+    max_ongoing_requests: int = Field(
+        default=256,
+        ge=1,
+        description=(
+            "Requests one engine replica accepts at once; more wait in the caller's router. High, "
+            "because the engine batches continuously."
+        ),
+    )
+    demo_cache_dir: str | None = Field(
+        default=None,
+        description="Where the demo is built. Default: $LORAFLEET_CACHE or ~/.cache/lorafleet.",
+    )
+
+    @field_validator("model", "served_model_name", "adapter_root", "demo_cache_dir")
+    @classmethod
+    def _non_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be a non-empty string or null")
+        return value
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_paths_non_empty(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name, path in adapters.items():
+            if not path.strip():
+                raise ValueError(f"adapter {name!r} has an empty path")
+        return adapters
+
+    @model_validator(mode="after")
+    def _check_together(self) -> AppArgs:
+        for name in self.adapters:
+            check_adapter_name(name, self.base_model_name)
+        if self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(
+                f"max_loaded_loras ({self.max_loaded_loras}) must be at least "
+                f"max_loras_per_batch ({self.max_loras_per_batch}): every adapter in a GPU slot "
+                "is also held in host memory"
+            )
+        return self
+
+    @property
+    def base_model_name(self) -> str:
+        """The name of the base model in the API."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        if self.model is None:
+            return DEMO_MODEL_NAME
+        if looks_like_local_path(self.model):
+            return Path(self.model).expanduser().resolve().name
+        return self.model
+
+    def to_engine_config(self, model_dir: str | Path, device: str) -> EngineConfig:
+        """The engine's frozen config, for the model in local folder `model_dir` on `device`
+        ("cpu" or "cuda": "auto" is resolved by the caller)."""
+        return EngineConfig(
+            model=str(model_dir),
+            device=device,
+            dtype=self.dtype,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            max_loras_per_batch=self.max_loras_per_batch,
+            max_lora_rank=self.max_lora_rank,
+            max_loaded_loras=self.max_loaded_loras,
+            adapters=tuple(sorted(self.adapters.items())),
+            adapter_root=self.adapter_root,
+        )

@@ -1,0 +1,625 @@
+"""The HTTP front: OpenAI-compatible routes over an engine client.
+
+`make_api(engine, tokenizer, settings)` builds the FastAPI app from its collaborators, so tests
+run it with a fake engine and no Ray. `Ingress` is the Serve deployment: it receives the engine
+deployment's handle, and at replica start-up (`__serve_build_asgi_app__`) prepares the model
+files, loads the tokenizer and builds the app.
+
+Each generation: resolve `model` to the base or an adapter, tokenize (chat template for chat),
+check the context length, send one `GenerateRequest` to the engine, and turn its token chunks
+into text. The first chunk is awaited before answering, so a request the engine refuses gets a
+proper status; an error after streaming began is sent as an SSE `{"error": ...}` event. Closing
+the engine stream aborts the request there: when a stop string matches, when the client goes
+away, on any error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from app.adapters import AdapterError, AdapterRegistry
+from app.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    UsageInfo,
+)
+from app.tokenization import (
+    ChatTemplateError,
+    TextStream,
+    apply_chat_template,
+    encode_prompt,
+    load_tokenizer,
+)
+from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
+from replicas.request import SamplingParams
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("ray.serve")
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine, as the routes see it
+
+
+class EngineClient(Protocol):
+    """What the routes need from the engine fleet.
+
+    `generate` yields the request's chunks (the last one has `finish_reason`; a refusal is one
+    chunk with `error`). Closing the iterator before the last chunk (`aclose`, or cancelling the
+    task iterating it) must abort the request in the engine. `info` returns
+    `{"max_model_len": int, "eos_token_ids": list[int], "vocab_size": int}`.
+    """
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
+
+    async def info(self) -> dict[str, Any]: ...
+
+
+class ServeEngineClient:
+    """`EngineClient` over a handle to the engine deployment. The adapter name is the request's
+    multiplexed model id, which the router uses to place it."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import (
+            BackPressureError,
+            DeploymentUnavailableError,
+            ReplicaUnavailableError,
+        )
+
+        response = self._handle.options(
+            stream=True, multiplexed_model_id=request.adapter or ""
+        ).generate.remote(request)
+        finished = False
+        try:
+            async for chunk in response:
+                finished = chunk.finished
+                yield chunk
+        except (
+            BackPressureError,
+            DeploymentUnavailableError,
+            ReplicaUnavailableError,
+            RayActorError,
+        ) as e:
+            finished = True
+            yield GenerateChunk(
+                request.request_id,
+                finish_reason="error",
+                error=EngineError(
+                    f"the engine is unavailable: {e}", 503, "ServiceUnavailableError"
+                ),
+            )
+        finally:
+            if not finished:
+                response.cancel()  # the replica's generator is cancelled, which aborts the request
+
+    async def info(self) -> dict[str, Any]:
+        return await self._handle.info.remote()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings and the app
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """What the routes need to know besides the engine and the tokenizer."""
+
+    served_model_name: str
+    model_root: str  # where the base model comes from (the model folder or hub id)
+    adapters: Mapping[str, str] = field(default_factory=dict)  # validated at build time
+    adapter_root: str | None = None
+    max_lora_rank: int = 16
+
+
+def make_api(
+    engine: EngineClient, tokenizer: PreTrainedTokenizerBase, settings: ApiSettings
+) -> FastAPI:
+    """The OpenAI-compatible app: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+    api = FastAPI(title="lorafleet", summary="One base model, many LoRA adapters.")
+    service = OpenAIService(engine, tokenizer, settings)
+
+    @api.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(str(exc.detail), exc.status_code))
+
+    @api.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models() -> ModelList:
+        return service.models()
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        return await service.completions(body)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        return await service.chat_completions(body)
+
+    return api
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 as OpenAI's 400: one message naming each bad field."""
+    messages: list[str] = []
+    params: list[str] = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            messages.append(f"the request body is not valid JSON: {detail}".rstrip(": "))
+            continue
+        message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        messages.append(f"{loc}: {message}" if loc else message)
+        if loc:
+            params.append(loc)
+    return APIError(
+        "; ".join(messages) or "invalid request", 400, param=params[0] if params else None
+    )
+
+
+class OpenAIService:
+    """The routes' logic, apart from FastAPI wiring."""
+
+    def __init__(
+        self, engine: EngineClient, tokenizer: PreTrainedTokenizerBase, settings: ApiSettings
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.registry = AdapterRegistry(
+            settings.served_model_name,
+            settings.adapters,
+            adapter_root=settings.adapter_root,
+            max_lora_rank=settings.max_lora_rank,
+        )
+        self._info: EngineInfo | None = None
+        self._info_lock = asyncio.Lock()
+
+    # -- models ------------------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        base = self.settings.served_model_name
+        max_len = self._info.max_model_len if self._info is not None else None
+        cards = [ModelCard(id=base, root=self.settings.model_root, max_model_len=max_len)]
+        for name, path in sorted(self.registry.adapters.items()):
+            cards.append(ModelCard(id=name, root=str(path), parent=base, max_model_len=max_len))
+        return ModelList(data=cards)
+
+    async def resolve_adapter(self, model: str) -> str | None:
+        try:
+            return await self.registry.resolve(model)
+        except AdapterError as e:
+            code = "model_not_found" if e.status == 404 else "invalid_adapter"
+            raise APIError(str(e), e.status, param="model", code=code) from e
+
+    async def engine_info(self) -> EngineInfo:
+        """The engine's limits, asked once (the first request waits for the engine to be up)."""
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    try:
+                        info = await self.engine.info()
+                    except Exception as e:
+                        raise APIError(f"the engine is unavailable: {e}", 503) from e
+                    self._info = EngineInfo(
+                        max_model_len=int(info["max_model_len"]),
+                        vocab_size=int(info["vocab_size"]),
+                        eos_token_ids=tuple(info.get("eos_token_ids", ())),
+                    )
+        return self._info
+
+    # -- routes ------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest) -> Response:
+        adapter = await self.resolve_adapter(body.model)
+        info = await self.engine_info()
+        if isinstance(body.prompt, str):
+            prompt_ids = encode_prompt(self.tokenizer, body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+            bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise APIError(
+                    f"token id {bad[0]} is outside the vocabulary (0..{info.vocab_size - 1})",
+                    param="prompt",
+                )
+        output = _CompletionOutput(f"cmpl-{uuid.uuid4().hex}", body.model)
+        return await self._generate(body, body.max_tokens, prompt_ids, adapter, info, output)
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        adapter = await self.resolve_adapter(body.model)
+        info = await self.engine_info()
+        messages = [_template_message(m.role, m.text, m.name) for m in body.messages]
+        try:
+            prompt_ids = apply_chat_template(
+                self.tokenizer,
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        except ChatTemplateError as e:
+            raise APIError(str(e), param="messages") from e
+        output = _ChatOutput(f"chatcmpl-{uuid.uuid4().hex}", body.model)
+        return await self._generate(
+            body, body.output_token_limit, prompt_ids, adapter, info, output
+        )
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def _generate(
+        self,
+        body: SamplingFields,
+        max_tokens: int | None,
+        prompt_ids: list[int],
+        adapter: str | None,
+        info: EngineInfo,
+        output: _Output,
+    ) -> Response:
+        if not prompt_ids:
+            raise APIError(
+                "the prompt is empty: it must encode to at least one token", param="prompt"
+            )
+        sampling = _sampling_params(body, _output_budget(len(prompt_ids), max_tokens, info))
+        request = GenerateRequest(output.request_id, prompt_ids, sampling, adapter)
+        text = TextStream(self.tokenizer, prompt_ids, body.stop_strings)
+        stream = aiter(self.engine.generate(request))
+        try:
+            first = await _next_chunk(stream)
+            _raise_engine_error(first)
+        except BaseException:
+            await _close(stream)
+            raise
+        run = _Run(stream, first, text, len(prompt_ids))
+        if body.stream:
+            return _ClosingStreamingResponse(
+                _sse_events(run, output, body.include_usage),
+                on_close=run.close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            pieces = [delta async for delta, _ in run]
+        finally:
+            await run.close()
+        usage = UsageInfo.of(run.num_prompt_tokens, run.num_output_tokens)
+        return JSONResponse(output.response("".join(pieces), run.finish_reason, usage).model_dump())
+
+
+def _template_message(role: str, content: str, name: str | None) -> dict[str, str]:
+    # Most chat templates predate the "developer" role, which OpenAI defines as the new "system".
+    message = {"role": "system" if role == "developer" else role, "content": content}
+    if name is not None:
+        message["name"] = name
+    return message
+
+
+def _output_budget(num_prompt_tokens: int, max_tokens: int | None, info: EngineInfo) -> int:
+    """Tokens the request may generate: `max_tokens`, or what the context has left when it is
+    null. A prompt that leaves no room, or a `max_tokens` beyond the context, is a 400."""
+    limit = info.max_model_len
+    if num_prompt_tokens >= limit:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for the completion. Please reduce "
+            "the length of the prompt.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return limit - num_prompt_tokens
+    if max_tokens >= 1 and num_prompt_tokens + max_tokens > limit:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
+            "max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k_or_none,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as e:
+        raise APIError(str(e)) from e
+
+
+async def _next_chunk(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
+    """The engine's next chunk. A stream that ends before its last chunk is an engine fault."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        raise APIError("the engine ended the stream before the request finished", 500) from None
+    except APIError:
+        raise
+    except Exception as e:
+        logger.exception("engine call failed")
+        raise APIError(f"the engine failed: {type(e).__name__}: {e}", 500) from e
+
+
+def _raise_engine_error(chunk: GenerateChunk) -> None:
+    if chunk.error is not None:
+        raise APIError(chunk.error.message, chunk.error.status, type=chunk.error.type)
+    if chunk.finish_reason == "error":
+        raise APIError("the engine failed the request", 500)
+
+
+async def _close(stream: AsyncIterator[GenerateChunk]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class _Run:
+    """One generation in flight: iterating it yields `(text_delta, finish_reason)` until the
+    request finishes; it ends early, finish_reason "stop", when a stop string matches. Engine
+    errors raise `APIError`. `close()` aborts the request in the engine if it is still running."""
+
+    def __init__(
+        self,
+        stream: AsyncIterator[GenerateChunk],
+        first: GenerateChunk,
+        text: TextStream,
+        num_prompt_tokens: int,
+    ) -> None:
+        self._stream = stream
+        self._first: GenerateChunk | None = first
+        self._text = text
+        self.num_prompt_tokens = first.num_prompt_tokens or num_prompt_tokens
+        self.finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._text.num_tokens
+
+    async def __aiter__(self) -> AsyncIterator[tuple[str, str | None]]:
+        while self.finish_reason is None:
+            chunk = self._first if self._first is not None else await _next_chunk(self._stream)
+            self._first = None
+            _raise_engine_error(chunk)
+            delta = self._text.add(chunk.token_ids)
+            if self._text.stopped:
+                self.finish_reason = "stop"
+                await self.close()  # the engine would go on to max_tokens otherwise
+            elif chunk.finished:
+                delta += self._text.finish()
+                self.finish_reason = chunk.finish_reason
+            if delta or self.finish_reason is not None:
+                yield delta, self.finish_reason
+
+    async def close(self) -> None:
+        await _close(self._stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output shapes
+
+
+class _Output(Protocol):
+    request_id: str
+
+    def opening(self) -> list[BaseModel]: ...
+
+    def chunk(self, text: str, finish_reason: str | None) -> BaseModel: ...
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
+
+    def response(self, text: str, finish_reason: str | None, usage: UsageInfo) -> BaseModel: ...
+
+
+class _CompletionOutput:
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def chunk(self, text: str, finish_reason: str | None) -> BaseModel:
+        return CompletionStreamResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+        )
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return CompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def response(self, text: str, finish_reason: str | None, usage: UsageInfo) -> BaseModel:
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+            usage=usage,
+        )
+
+
+class _ChatOutput:
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _stream_response(self, delta: DeltaMessage, finish_reason: str | None) -> BaseModel:
+        return ChatCompletionStreamResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason)],
+        )
+
+    def opening(self) -> list[BaseModel]:
+        return [self._stream_response(DeltaMessage(role="assistant", content=""), None)]
+
+    def chunk(self, text: str, finish_reason: str | None) -> BaseModel:
+        return self._stream_response(DeltaMessage(content=text or None), finish_reason)
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return ChatCompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def response(self, text: str, finish_reason: str | None, usage: UsageInfo) -> BaseModel:
+        return ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                ChatCompletionChoice(
+                    message=AssistantMessage(content=text), finish_reason=finish_reason
+                )
+            ],
+            usage=usage,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Server-sent events
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def _sse(payload: BaseModel, *, include_usage: bool) -> str:
+    exclude = None if include_usage else {"usage"}
+    return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
+
+
+async def _sse_events(run: _Run, output: _Output, include_usage: bool) -> AsyncIterator[str]:
+    """The response body of a streamed generation, ending with `data: [DONE]`."""
+    try:
+        for opening in output.opening():
+            yield _sse(opening, include_usage=include_usage)
+        async for delta, finish_reason in run:
+            yield _sse(output.chunk(delta, finish_reason), include_usage=include_usage)
+        if include_usage:
+            usage = UsageInfo.of(run.num_prompt_tokens, run.num_output_tokens)
+            yield _sse(output.usage_chunk(usage), include_usage=True)
+    except APIError as e:
+        yield f"data: {json.dumps(e.to_response().model_dump())}\n\n"
+    finally:
+        await run.close()
+    yield DONE_EVENT
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that always runs `on_close` when it ends, however it ends (done,
+    client gone, send failed), so the engine request is never left running for nobody."""
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], Any], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # A body left suspended at a `yield` (the client went away mid-send) is closed here
+            # rather than whenever it is garbage-collected.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            await self._on_close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The Serve deployment
+
+
+@serve.deployment(max_ongoing_requests=1024)
+@serve.ingress()
+class Ingress:
+    """The HTTP ingress replica. Construction only stores its collaborators; start-up (Serve
+    calls `__serve_build_asgi_app__` after the constructor) runs `prepare` on this node (making
+    sure the model files exist, e.g. building the demo), loads the tokenizer from `model_dir`
+    and builds the app."""
+
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        settings: ApiSettings,
+        model_dir: str,
+        *,
+        prepare: Callable[[], object] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._model_dir = model_dir
+        self._prepare = prepare
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        if self._prepare is not None:
+            await asyncio.to_thread(self._prepare)
+        tokenizer = await asyncio.to_thread(load_tokenizer, self._model_dir)
+        return make_api(ServeEngineClient(self._engine), tokenizer, self._settings)

@@ -1,0 +1,168 @@
+"""The application builder named by the Serve config: `import_path: app.main:build_app`.
+
+`build_app(args)` validates the arguments, finds the model (a local folder, a hub id, or the
+embedded demo), checks every configured adapter folder, resolves the device and binds two
+deployments: the HTTP `Ingress` (CPU) and the engine replicas (one GPU each on cuda).
+
+Replicas may land on other nodes than the one that builds the app, so each one first runs a
+`prepare` callable that makes sure the model files exist on its node at the path this builder
+chose (building the demo there, or downloading the hub snapshot).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app.adapters import AdapterError, validate_adapter_dir
+from app.config import AppArgs, looks_like_local_path
+from app.ingress import ApiSettings, Ingress
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+logger = logging.getLogger("ray.serve")
+
+# What a model folder needs for the engine and the tokenizer; no pickle weights.
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the base model will be on every node, and how a node makes sure it is there."""
+
+    model_dir: Path
+    root: str  # what /v1/models reports as the base model's origin
+    prepare: Callable[[], object] | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # adapters that come with the model
+
+
+def build_app(args: AppArgs | dict[str, Any]) -> Application:
+    """The Serve application for `args` (the YAML's `args:` block, or an `AppArgs`)."""
+    from replicas.deployment import EngineDeployment
+
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    source = resolve_model(args)
+    # Re-validate with the demo's adapters merged in (configured ones win on a name clash) and
+    # every path absolute: replicas do not share the builder's working directory.
+    adapters = {**source.adapters, **args.adapters}
+    args = AppArgs.model_validate(
+        {
+            **args.model_dump(),
+            "served_model_name": args.base_model_name,
+            "adapters": {
+                name: str(Path(path).expanduser().absolute()) for name, path in adapters.items()
+            },
+        }
+    )
+    check_adapters(args.adapters, args.max_lora_rank)
+    device = resolve_device(args.device)
+    logger.info(
+        "serving %s from %s on %s with %d adapter(s)",
+        args.base_model_name,
+        source.model_dir,
+        device,
+        len(args.adapters),
+    )
+
+    engine_options: dict[str, Any] = {
+        "num_replicas": args.num_replicas,
+        "max_ongoing_requests": args.max_ongoing_requests,
+    }
+    if device == "cuda":
+        engine_options["ray_actor_options"] = {"num_gpus": 1}
+    engine = EngineDeployment.options(**engine_options).bind(
+        args.to_engine_config(source.model_dir, device), prepare=source.prepare
+    )
+    settings = ApiSettings(
+        served_model_name=args.base_model_name,
+        model_root=source.root,
+        adapters=dict(args.adapters),
+        adapter_root=args.adapter_root,
+        max_lora_rank=args.max_lora_rank,
+    )
+    # The ingress only streams; it should never be what limits the fleet's concurrency.
+    return Ingress.options(
+        num_replicas=args.num_ingress_replicas,
+        max_ongoing_requests=args.max_ongoing_requests * args.num_replicas,
+    ).bind(engine, settings, str(source.model_dir), prepare=source.prepare)
+
+
+def resolve_model(args: AppArgs) -> ModelSource:
+    """The embedded demo (model null), a local folder, or a hub id."""
+    if args.model is None:
+        from app.demo import default_cache_dir, ensure_demo
+
+        cache = Path(args.demo_cache_dir) if args.demo_cache_dir else default_cache_dir()
+        cache = cache.expanduser().absolute()
+        assets = ensure_demo(cache)
+        return ModelSource(
+            model_dir=assets.model_dir,
+            root=str(assets.model_dir),
+            prepare=functools.partial(ensure_demo, cache),
+            adapters={name: str(path) for name, path in assets.adapters.items()},
+        )
+    if looks_like_local_path(args.model):
+        model_dir = Path(args.model).expanduser().absolute()
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(
+                f"model folder {str(model_dir)!r} does not exist or has no config.json"
+            )
+        return ModelSource(model_dir=model_dir, root=str(model_dir))
+    return _hub_source(args.model)
+
+
+def _hub_source(repo_id: str) -> ModelSource:
+    """A hub model, pinned to its current commit so every node downloads the same files to the
+    same path (the Hugging Face cache must sit at the same place on every node)."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    revision = HfApi().model_info(repo_id).sha
+    folder = repo_folder_name(repo_id=repo_id, repo_type="model")
+    model_dir = Path(constants.HF_HUB_CACHE) / folder / "snapshots" / str(revision)
+    return ModelSource(
+        model_dir=model_dir,
+        root=repo_id,
+        prepare=functools.partial(download_model, repo_id, revision),
+    )
+
+
+def download_model(repo_id: str, revision: str | None) -> str:
+    """Download (or find in the cache) a hub model's config, tokenizer and safetensors."""
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_PATTERNS))
+
+
+def check_adapters(adapters: dict[str, str], max_lora_rank: int) -> None:
+    """Validate every configured adapter folder; raise ValueError naming the bad ones."""
+    problems = []
+    for name, path in sorted(adapters.items()):
+        try:
+            validate_adapter_dir(path, max_lora_rank)
+        except AdapterError as e:
+            problems.append(f"adapter {name!r}: {e}")
+    if problems:
+        raise ValueError("invalid adapters in the app config:\n  " + "\n  ".join(problems))
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> "cuda" when the Ray cluster (or, without Ray, this machine) has a GPU."""
+    if device != "auto":
+        return device
+    return "cuda" if _has_gpu() else "cpu"
+
+
+def _has_gpu() -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()

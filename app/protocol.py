@@ -1,0 +1,431 @@
+"""OpenAI-compatible request and response bodies, and the error every route answers with.
+
+Requests accept what OpenAI clients send. Fields the engine cannot honour are refused with a 400
+when set to anything but their neutral value (`n`, `echo`, `logprobs`, penalties, ...), instead
+of being silently ignored. Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+MAX_STOP_SEQUENCES = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+
+
+class APIError(Exception):
+    """A request that fails with an HTTP status and an OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type or error_type(status)
+        self.param = param
+        self.code = code
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat requests share: sampling, stops, streaming, unsupported knobs."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = Field(default=None, description="0 is greedy; default 1.")
+    top_p: float | None = Field(default=None, description="Nucleus sampling; default 1.")
+    top_k: int | None = Field(
+        default=None, description="Extension: sample among the k likeliest; null, -1 or 0: off."
+    )
+    seed: int | None = None
+    stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
+    stop_token_ids: list[int] | None = Field(
+        default=None, description="Extension: token ids that end generation."
+    )
+    ignore_eos: bool = Field(default=False, description="Extension: keep going past EOS.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("presence and frequency penalties are not supported (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        # The validator has turned `stop` into a list.
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        """vLLM's convention: -1 and 0 turn top-k off."""
+        return None if self.top_k in (None, -1, 0) else self.top_k
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`. One prompt per request: text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(
+        default=16, description="Tokens to generate; null: up to the context length."
+    )
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(
+                    f"batched prompts are not supported: got {len(prompt)} prompts, send one "
+                    "prompt per request"
+                )
+            prompt = prompt[0]
+            if isinstance(prompt, str):
+                return prompt
+        if not prompt:
+            raise ValueError("the prompt must not be empty")
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> None:
+        if logprobs is not None:
+            raise ValueError("logprobs is not supported (only null)")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError("best_of is not supported (only 1)")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> None:
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        if self.text is None:
+            raise ValueError("a text content part needs a `text` field")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(
+        default=None, description="Deprecated by OpenAI; still honoured."
+    )
+    max_completion_tokens: int | None = Field(
+        default=None, description="Tokens to generate; null: up to the context length."
+    )
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = Field(
+        default=True, description="Extension: end the prompt with the assistant turn's header."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extension: extra variables for the chat template."
+    )
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool) -> bool:
+        if logprobs:
+            raise ValueError("logprobs is not supported (only false)")
+        return logprobs
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, top_logprobs: int | None) -> None:
+        if top_logprobs:
+            raise ValueError("top_logprobs is not supported")
+        return None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> None:
+        if tools:
+            raise ValueError("tools are not supported")
+        return None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, tool_choice: str | dict[str, Any] | None) -> None:
+        if tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported (tools are not supported)")
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, response_format: dict[str, Any] | None) -> None:
+        if response_format is not None and response_format.get("type") != "text":
+            raise ValueError("response_format is not supported (only {'type': 'text'})")
+        return None
+
+    @property
+    def output_token_limit(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    """One SSE event of a streamed completion; `object` is `text_completion` as in OpenAI's."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        # OpenAI's deltas carry only the keys that changed: `{}` on the final chunk.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "lorafleet"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

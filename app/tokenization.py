@@ -1,0 +1,202 @@
+"""Text in, token ids out, and back: the tokenizer, chat templates, and streamed detokenization.
+
+The engine streams token ids; `TextStream` turns them into text deltas a client can show as they
+come: never half a UTF-8 character, never the start of a stop string that may still complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
+# Prompt tokens decoded ahead of the output, so tokenizers that render a token's leading space
+# only after another token (SentencePiece) get the first output token right.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered: no template, or the template refused it."""
+
+
+def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
+    """The Hugging Face tokenizer of a model folder (local files only) or hub id."""
+    from transformers import AutoTokenizer
+
+    local = Path(model).is_dir()
+    return AutoTokenizer.from_pretrained(str(model), local_files_only=local)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of a completion prompt, with the special tokens the tokenizer adds (BOS)."""
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Render `messages` (dicts with `role` and string `content`) with the tokenizer's chat
+    template and tokenize the result. The template writes its own special tokens (BOS), so none
+    are added. Raises `ChatTemplateError` when there is no template or the template fails."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError(
+            "this model's tokenizer has no chat template; use /v1/completions with a plain prompt"
+        )
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **dict(template_kwargs or {}),
+        )
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        raise ChatTemplateError(f"the chat template could not render these messages: {e}") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text deltas out, decoding only a short window of recent tokens.
+
+    Decoding one token at a time is wrong for byte-level tokenizers (a character may span
+    several tokens) and for SentencePiece (a token's leading space depends on its neighbour).
+    So each step decodes `ids[prefix:]` and `ids[prefix:read]` and emits the difference, then
+    slides the window; while the text ends in U+FFFD (an incomplete character) nothing is emitted
+    and the window stays, until the character completes or `flush` is called at the end.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        if REPLACEMENT_CHAR in self._decode(context):
+            context = []  # a prompt ending mid-character would shift every delta
+        self._ids: list[int] = context
+        self._prefix = 0  # ids[prefix:read] is the window already emitted as text
+        self._read = len(context)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=self._skip_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Append `token_ids`; return the text they complete (maybe empty)."""
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """At the end of the stream: the held-back text, incomplete characters included."""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+
+class StopStringMatcher:
+    """Text deltas in, the part safe to emit out; `stopped` once a stop string appears.
+
+    Text that could be the start of a stop string is held back until it either completes the
+    stop string (it is dropped, with everything after it) or stops matching (it is emitted).
+    When several stop strings appear, the one that completes first wins (the longest on a tie).
+    Invariant: the held-back text never contains a whole stop string, and is shorter than the
+    longest one, so each call searches a short buffer.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self._stop = tuple(stop)
+        self._pending = ""
+        self.stopped = False
+
+    @property
+    def held_back(self) -> str:
+        """Text received but not emitted yet: it may be the start of a stop string."""
+        return self._pending
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self._stop:
+            return text
+        buffer = self._pending + text
+        # The stop string completed first wins (as if checked after every character), so the
+        # result does not depend on how the text was split into deltas.
+        hits = [(i + len(s), i) for s in self._stop if (i := buffer.find(s)) >= 0]
+        if hits:
+            self.stopped = True
+            self._pending = ""
+            return buffer[: min(hits)[1]]
+        keep = self._partial_match_length(buffer)
+        self._pending = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep]
+
+    def _partial_match_length(self, buffer: str) -> int:
+        """Length of the longest suffix of `buffer` that is a prefix of some stop string."""
+        longest = max(len(s) for s in self._stop) - 1
+        for k in range(min(longest, len(buffer)), 0, -1):
+            tail = buffer[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        """At the end of the stream: the held-back text (it never became a stop string)."""
+        text, self._pending = ("" if self.stopped else self._pending), ""
+        return text
+
+
+class TextStream:
+    """One request's output text: incremental detokenization, then stop strings.
+
+    `add(token_ids)` returns the next text delta; once `stopped` is true the caller must stop the
+    engine stream and finish with finish_reason "stop". `finish()` returns the remaining text
+    when the engine ends the stream itself.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._matcher = StopStringMatcher(stop)
+        self.num_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher.stopped
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        self.num_tokens += len(token_ids)
+        return self._matcher.feed(self._detokenizer.decode(token_ids))
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        text = self._matcher.feed(self._detokenizer.flush())
+        return text + self._matcher.flush()

@@ -1,0 +1,143 @@
+"""App arguments and adapter folder validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.adapters import AdapterError, check_adapter_name, validate_adapter_dir
+from app.config import DEMO_MODEL_NAME, AppArgs
+from tests.app.conftest import write_adapter
+
+
+class TestAppArgs:
+    def test_defaults_serve_the_demo(self):
+        args = AppArgs()
+        assert args.model is None
+        assert args.base_model_name == DEMO_MODEL_NAME
+        assert args.device == "auto"
+        assert args.max_ongoing_requests >= 64
+
+    def test_every_field_is_described(self):
+        assert all(field.description for field in AppArgs.model_fields.values())
+
+    def test_unknown_field_is_rejected_by_name(self):
+        with pytest.raises(ValidationError, match="max_lora_rnak"):
+            AppArgs.model_validate({"max_lora_rnak": 32})
+
+    @pytest.mark.parametrize(
+        ("fields", "words"),
+        [
+            ({"num_replicas": 0}, "num_replicas"),
+            ({"device": "tpu"}, "device"),
+            ({"dtype": "int8"}, "dtype"),
+            ({"max_lora_rank": 0}, "max_lora_rank"),
+            ({"max_model_len": 0}, "max_model_len"),
+            ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction"),
+            ({"max_loras_per_batch": 8, "max_loaded_loras": 4}, "max_loaded_loras"),
+            ({"model": "  "}, "non-empty"),
+            ({"adapters": {"a/b": "/x"}}, "must not contain"),
+            ({"adapters": {"": "/x"}}, "non-empty"),
+            ({"adapters": {"ok": " "}}, "empty path"),
+            ({"adapters": {DEMO_MODEL_NAME: "/x"}}, "base model"),
+            ({"served_model_name": "mine", "adapters": {"mine": "/x"}}, "base model"),
+        ],
+    )
+    def test_bad_values_are_rejected_with_a_message(self, fields, words):
+        with pytest.raises(ValidationError, match=words):
+            AppArgs.model_validate(fields)
+
+    def test_args_are_frozen(self):
+        with pytest.raises(ValidationError):
+            AppArgs().num_replicas = 3
+
+    def test_base_name_of_a_local_folder_and_a_hub_id(self, tmp_path):
+        folder = tmp_path / "Llama-3-8B"
+        folder.mkdir()
+        assert AppArgs(model=str(folder)).base_model_name == "Llama-3-8B"
+        assert AppArgs(model=f"{folder}/").base_model_name == "Llama-3-8B"
+        assert AppArgs(model="org/some-model").base_model_name == "org/some-model"
+        assert AppArgs(model="org/m", served_model_name="m").base_model_name == "m"
+
+    def test_to_engine_config(self):
+        args = AppArgs(
+            adapters={"b": "/adapters/b", "a": "/adapters/a"},
+            adapter_root="/adapters",
+            max_lora_rank=32,
+            max_num_seqs=8,
+            dtype="bfloat16",
+            max_model_len=512,
+        )
+        config = args.to_engine_config("/models/m", "cuda")
+        assert (config.model, config.device, config.dtype) == ("/models/m", "cuda", "bfloat16")
+        assert config.adapters == (("a", "/adapters/a"), ("b", "/adapters/b"))
+        assert config.adapter_root == "/adapters"
+        assert (config.max_lora_rank, config.max_num_seqs, config.max_model_len) == (32, 8, 512)
+        assert config.max_loaded_loras == args.max_loaded_loras
+
+
+class TestAdapterNames:
+    @pytest.mark.parametrize("name", ["sql-lora", "v1.2_x", "Ünïcode"])
+    def test_good_names(self, name):
+        check_adapter_name(name, "base")
+
+    @pytest.mark.parametrize("name", ["", " ", "a/b", "a\\b", "base:x", ".hidden", "..", "base"])
+    def test_bad_names(self, name):
+        with pytest.raises(ValueError):
+            check_adapter_name(name, "base")
+
+
+class TestValidateAdapterDir:
+    def test_valid_folder(self, lora_model_dir, tmp_path):
+        path = write_adapter(lora_model_dir, tmp_path / "a", rank=8, target_modules=("q_proj",))
+        info = validate_adapter_dir(path, max_lora_rank=16)
+        assert (info.path, info.rank, info.target_modules) == (path, 8, ("q_proj",))
+
+    def test_missing_folder_is_404(self, tmp_path):
+        with pytest.raises(AdapterError) as e:
+            validate_adapter_dir(tmp_path / "nope", 16)
+        assert e.value.status == 404
+
+    def _broken(self, lora_model_dir, tmp_path, **config_changes):
+        path = write_adapter(lora_model_dir, tmp_path / "a")
+        config = json.loads((path / "adapter_config.json").read_text())
+        config.update(config_changes)
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        return path
+
+    @pytest.mark.parametrize(
+        ("changes", "words"),
+        [
+            ({"r": 32}, "max_lora_rank"),
+            ({"peft_type": "IA3"}, "LORA"),
+            ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
+        ],
+    )
+    def test_unservable_config_is_400(self, lora_model_dir, tmp_path, changes, words):
+        path = self._broken(lora_model_dir, tmp_path, **changes)
+        with pytest.raises(AdapterError, match=words) as e:
+            validate_adapter_dir(path, 16)
+        assert e.value.status == 400
+
+    def test_pickle_weights_are_refused(self, lora_model_dir, tmp_path):
+        path = write_adapter(lora_model_dir, tmp_path / "a")
+        (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
+        with pytest.raises(AdapterError, match="pickle") as e:
+            validate_adapter_dir(path, 16)
+        assert e.value.status == 400
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "gpu-llama3-8b.yaml"])
+def test_shipped_serve_configs_parse(name):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    path = Path(__file__).parents[2] / "configs" / name
+    config = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(config)
+    (application,) = config["applications"]
+    assert application["import_path"] == "app.main:build_app"
+    AppArgs.model_validate(application["args"])

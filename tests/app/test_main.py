@@ -1,0 +1,117 @@
+"""`build_app`: what it binds, for a local model and for the demo. No Ray cluster is started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import app.demo
+from app.demo import DemoAssets
+from app.ingress import ApiSettings
+from app.main import build_app, resolve_device
+from replicas.config import EngineConfig
+from tests.app.conftest import write_adapter
+
+TINY_CONFIG = {
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 1,
+}
+
+
+def bound(application):
+    """(ingress deployment, its init args, engine deployment, its init args and kwargs)."""
+    ingress = application._bound_deployment
+    engine_app, settings, model_dir = ingress.init_args
+    engine = engine_app._bound_deployment
+    return ingress, settings, model_dir, engine, engine.init_args, engine.init_kwargs
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return folder
+
+
+class TestBuildApp:
+    def test_local_model_with_adapters(self, model_dir, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        write_adapter(model_dir, tmp_path / "sql")
+        args = {
+            "model": str(model_dir),
+            "adapters": {"sql": "sql"},  # relative to the working directory
+            "adapter_root": "/shared/adapters",
+            "device": "cpu",
+            "num_replicas": 3,
+            "max_ongoing_requests": 100,
+        }
+        ingress, settings, ingress_model_dir, engine, engine_args, engine_kwargs = bound(
+            build_app(args)
+        )
+        (config,) = engine_args
+        assert isinstance(config, EngineConfig)
+        assert config.model == str(model_dir) == ingress_model_dir
+        assert config.device == "cpu"
+        assert config.adapters == (("sql", str(tmp_path / "sql")),)
+        assert config.adapter_root == "/shared/adapters"
+        assert engine_kwargs == {"prepare": None}
+        assert engine.num_replicas == 3
+        assert engine.max_ongoing_requests == 100
+        assert "num_gpus" not in (engine.ray_actor_options or {})
+        assert isinstance(settings, ApiSettings)
+        assert settings.served_model_name == "my-model"
+        assert settings.adapters == {"sql": str(tmp_path / "sql")}
+        assert ingress.max_ongoing_requests >= 300
+
+    def test_cuda_engine_replicas_get_a_gpu_each(self, model_dir):
+        *_, engine, engine_args, _ = bound(build_app({"model": str(model_dir), "device": "cuda"}))
+        assert engine.ray_actor_options["num_gpus"] == 1
+        assert engine_args[0].device == "cuda"
+
+    def test_invalid_adapter_fails_the_build_naming_it(self, model_dir, tmp_path):
+        write_adapter(model_dir, tmp_path / "big", rank=64)
+        args = {
+            "model": str(model_dir),
+            "adapters": {"big": str(tmp_path / "big"), "gone": str(tmp_path / "gone")},
+        }
+        with pytest.raises(ValueError) as e:
+            build_app(args)
+        assert "'big'" in str(e.value) and "max_lora_rank" in str(e.value)
+        assert "'gone'" in str(e.value) and "does not exist" in str(e.value)
+
+    def test_missing_model_folder_fails_the_build(self, tmp_path):
+        with pytest.raises(ValueError, match="config.json"):
+            build_app({"model": str(tmp_path / "nowhere")})
+
+    def test_demo_serves_its_adapters_and_prepares_every_node(
+        self, model_dir, tmp_path, monkeypatch
+    ):
+        demo_adapter = write_adapter(model_dir, tmp_path / "demo-sql")
+        mine = write_adapter(model_dir, tmp_path / "mine")
+        calls = []
+
+        def fake_ensure_demo(cache_dir):
+            calls.append(cache_dir)
+            return DemoAssets(model_dir=model_dir, adapters={"demo-sql": demo_adapter})
+
+        monkeypatch.setattr(app.demo, "ensure_demo", fake_ensure_demo)
+        args = {"demo_cache_dir": str(tmp_path / "cache"), "adapters": {"mine": str(mine)}}
+        _, settings, _, _, engine_args, engine_kwargs = bound(build_app(args))
+        assert settings.served_model_name == "lorafleet-demo"
+        assert set(settings.adapters) == {"demo-sql", "mine"}
+        assert dict(engine_args[0].adapters) == settings.adapters
+        # The replicas' prepare builds the demo at the very path the builder chose.
+        calls.clear()
+        engine_kwargs["prepare"]()
+        assert calls == [tmp_path / "cache"]
+
+
+def test_explicit_device_is_kept():
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("cuda") == "cuda"

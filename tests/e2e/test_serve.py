@@ -1,0 +1,164 @@
+"""The whole app on a local Ray Serve instance (CPU), through HTTP."""
+
+import asyncio
+import json
+import socket
+
+import httpx
+import pytest
+
+from tests.factories import hf_greedy, make_adapter, make_model
+
+pytestmark = pytest.mark.serve
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 17, 200, 33, 98, 4], [61, 150, 7, 12, 250, 3, 44, 9]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from app.main import build_app
+
+    root = tmp_path_factory.mktemp("e2e")
+    model = make_model(root / "model")
+    adapters = {
+        "alpha": make_adapter(model, root / "alpha", rank=4, lora_alpha=8,
+                              target_modules=["q_proj", "v_proj"], seed=1),
+        "beta": make_adapter(model, root / "beta", rank=8, lora_alpha=16, target_modules=ALL,
+                             use_rslora=True, seed=2),
+        "gamma": make_adapter(model, root / "adapter_root" / "gamma", rank=2, lora_alpha=8,
+                              target_modules=["o_proj", "down_proj"], seed=3),
+    }
+    bad = root / "adapter_root" / "broken"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text("{oops")
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({
+        "model": str(model),
+        "served_model_name": "tiny",
+        "adapters": {"alpha": str(adapters["alpha"]), "beta": str(adapters["beta"])},
+        "adapter_root": str(root / "adapter_root"),
+        "device": "cpu",
+        "max_loras_per_batch": 4,
+        "max_lora_rank": 8,
+        "max_model_len": 128,
+    })
+    serve.run(app, name="lorafleet-e2e", route_prefix="/")
+    yield {"url": f"http://127.0.0.1:{port}", "model": model, "adapters": adapters}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_concurrent_base_and_adapters_match_peft(server):
+    tok = _tokenizer(server["model"])
+    cases = [(m, p) for m in ("tiny", "alpha", "beta", "gamma", "tiny:beta") for p in PROMPTS]
+
+    async def one(client, model, prompt):
+        r = await client.post("/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as client:
+            return await asyncio.gather(*(one(client, m, p) for m, p in cases))
+
+    results = asyncio.run(main())
+    for (model, prompt), body in zip(cases, results, strict=True):
+        name = model.split(":")[-1]
+        adapter = server["adapters"].get(name)
+        expected = hf_greedy(server["model"], prompt, 8, adapter_dir=adapter)
+        assert body["choices"][0]["text"] == tok.decode(expected), model
+        assert body["usage"]["completion_tokens"] == 8
+
+
+def test_models_lists_base_and_adapters(server):
+    r = httpx.get(server["url"] + "/v1/models", timeout=30)
+    ids = {m["id"] for m in r.json()["data"]}
+    assert {"tiny", "alpha", "beta"} <= ids
+
+
+def test_streamed_chat_to_an_adapter(server):
+    body = {"model": "beta", "stream": True, "max_tokens": 6, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hello"}]}
+    events = []
+    with httpx.stream("POST", server["url"] + "/v1/chat/completions", json=body,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" or any(
+        c["choices"] and c["choices"][0]["finish_reason"] == "length" for c in chunks)
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "needle"),
+    [
+        ({"model": "nope", "prompt": "hi"}, 404, "nope"),
+        ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "prompt": [1] * 200}, 400, "128"),
+        ({"model": "broken", "prompt": "hi"}, 400, "JSON"),
+    ],
+)
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, payload, status,
+                                                                    needle):
+    r = httpx.post(server["url"] + "/v1/completions", json=payload, timeout=60)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    ok = httpx.post(server["url"] + "/v1/completions",
+                    json={"model": "alpha", "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server["url"] + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400
+    assert "error" in r.json()
+
+
+def test_client_disconnect_aborts_the_request(server):
+    from ray import serve
+
+    body = {"model": "alpha", "prompt": "x", "max_tokens": 100, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    handle = serve.get_deployment_handle("EngineDeployment", app_name="lorafleet-e2e")
+
+    async def wait_idle():
+        for _ in range(100):
+            stats = await handle.stats.remote()
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                return stats
+            await asyncio.sleep(0.1)
+        return stats
+
+    stats = asyncio.run(wait_idle())
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
