@@ -63,12 +63,7 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LORA_MODULES = ATTENTION_MODULES + MLP_MODULES
 
-_CONFIG_CLASSES = {
-    "llama": "LlamaConfig",
-    "mistral": "MistralConfig",
-    "qwen2": "Qwen2Config",
-    "qwen3": "Qwen3Config",
-}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -191,6 +186,21 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> N
 # Model
 
 
+def _config_classes() -> dict[str, type]:
+    # Imported on use: transformers takes seconds to import, and most importers of this module
+    # only need a built demo's paths.
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+    }
+    assert tuple(classes) == ARCHS
+    return classes
+
+
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
@@ -224,14 +234,15 @@ def write_llama_model(
     for the scales). Biases are non-zero and norm scales are not all 1, so a reimplementation that
     drops a bias or a norm weight disagrees with transformers; attention is sharp enough that
     greedy decoding depends on the context instead of repeating one token. Rows for ids past the
-    tokenizer (when `vocab_size` is rounded up) are zero, so their logit is 0: below the best real
-    logit, so greedy never picks one, though sampling can (they decode to nothing).
+    tokenizer (when `vocab_size` is rounded up) are zero, so their logit is 0, almost surely below
+    the best of the real logits: greedy does not pick them, though sampling can (they decode to
+    nothing).
     """
     import torch
     import transformers
 
-    if arch not in _CONFIG_CLASSES:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(_CONFIG_CLASSES)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     tokenizer = tokenizer if tokenizer is not None else build_byte_tokenizer()
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} < tokenizer size {len(tokenizer)}")
@@ -252,7 +263,7 @@ def write_llama_model(
     )
     if head_dim is not None:
         config_kwargs["head_dim"] = head_dim
-    config = getattr(transformers, _CONFIG_CLASSES[arch])(**config_kwargs)
+    config = _config_classes()[arch](**config_kwargs)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _fill_seeded(model.named_parameters(), seed=seed, std=initializer_range)
     _zero_padding_rows(model, first_padding_id=len(tokenizer))
@@ -399,8 +410,9 @@ def write_peft_adapter(
             lora_a = torch.randn(rank, in_features, generator=generator) / math.sqrt(in_features)
             lora_b = torch.randn(out_features, rank, generator=generator)
             lora_b *= init_scale / (math.sqrt(rank) * scaling)
-            tensors[f"{prefix}.lora_A.weight"] = lora_a.contiguous()
-            tensors[f"{prefix}.lora_B.weight"] = lora_b.contiguous()
+            # bfloat16 values stored as float32, as for the model: loading in bf16 is exact.
+            tensors[f"{prefix}.lora_A.weight"] = lora_a.bfloat16().float()
+            tensors[f"{prefix}.lora_B.weight"] = lora_b.bfloat16().float()
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -521,6 +533,7 @@ def ensure_demo(cache_dir: str | Path | None = None) -> DemoAssets:
 
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_VERSION}.tmp-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the demo from other users of the cache
     try:
         _build_demo(staging, target)
         if target.exists() and not _is_complete(target):
@@ -538,10 +551,20 @@ def ensure_demo(cache_dir: str | Path | None = None) -> DemoAssets:
 
 
 def _discard(path: Path) -> None:
-    """Move `path` aside atomically, then delete it; losing the race to another caller is fine."""
+    """Move an incomplete `path` aside atomically, then delete it.
+
+    Between our completeness check and the move, another builder may have discarded the same
+    leftover and renamed a complete copy into place; if that is what we moved, put it back.
+    """
     trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex}")
     try:
         os.rename(path, trash)
     except FileNotFoundError:
         return
+    if _is_complete(trash):
+        try:
+            os.rename(trash, path)
+            return
+        except OSError:
+            pass  # a third copy is in place already; ours is surplus
     shutil.rmtree(trash, ignore_errors=True)

@@ -206,7 +206,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
             messages.append(f"the request body is not valid JSON: {detail}".rstrip(": "))
             continue
         message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        messages.append(f"{loc}: {message}" if loc else message)
+        messages.append(f"{loc or 'request body'}: {message}")
         if loc:
             params.append(loc)
     return APIError(
@@ -281,7 +281,8 @@ class OpenAIService:
                     param="prompt",
                 )
         output = _CompletionOutput(f"cmpl-{uuid.uuid4().hex}", body.model)
-        return await self._generate(body, body.max_tokens, prompt_ids, adapter, info, output)
+        budget = _output_budget(len(prompt_ids), body.max_tokens, info, prompt_param="prompt")
+        return await self._generate(body, budget, prompt_ids, adapter, output)
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         adapter = await self.resolve_adapter(body.model)
@@ -297,26 +298,22 @@ class OpenAIService:
         except ChatTemplateError as e:
             raise APIError(str(e), param="messages") from e
         output = _ChatOutput(f"chatcmpl-{uuid.uuid4().hex}", body.model)
-        return await self._generate(
-            body, body.output_token_limit, prompt_ids, adapter, info, output
+        budget = _output_budget(
+            len(prompt_ids), body.output_token_limit, info, prompt_param="messages"
         )
+        return await self._generate(body, budget, prompt_ids, adapter, output)
 
     # -- generation --------------------------------------------------------------------------
 
     async def _generate(
         self,
         body: SamplingFields,
-        max_tokens: int | None,
+        max_tokens: int,
         prompt_ids: list[int],
         adapter: str | None,
-        info: EngineInfo,
         output: _Output,
     ) -> Response:
-        if not prompt_ids:
-            raise APIError(
-                "the prompt is empty: it must encode to at least one token", param="prompt"
-            )
-        sampling = _sampling_params(body, _output_budget(len(prompt_ids), max_tokens, info))
+        sampling = _sampling_params(body, max_tokens)
         request = GenerateRequest(output.request_id, prompt_ids, sampling, adapter)
         text = TextStream(self.tokenizer, prompt_ids, body.stop_strings)
         stream = aiter(self.engine.generate(request))
@@ -350,16 +347,23 @@ def _template_message(role: str, content: str, name: str | None) -> dict[str, st
     return message
 
 
-def _output_budget(num_prompt_tokens: int, max_tokens: int | None, info: EngineInfo) -> int:
+def _output_budget(
+    num_prompt_tokens: int, max_tokens: int | None, info: EngineInfo, *, prompt_param: str
+) -> int:
     """Tokens the request may generate: `max_tokens`, or what the context has left when it is
-    null. A prompt that leaves no room, or a `max_tokens` beyond the context, is a 400."""
+    null. An empty prompt, a prompt that leaves no room, or a `max_tokens` beyond the context
+    is a 400. (A `max_tokens` below 1 is left to SamplingParams to refuse.)"""
+    if num_prompt_tokens == 0:
+        raise APIError(
+            "the prompt is empty: it must encode to at least one token", param=prompt_param
+        )
     limit = info.max_model_len
     if num_prompt_tokens >= limit:
         raise APIError(
             f"This model's maximum context length is {limit} tokens. However, your prompt has "
             f"{num_prompt_tokens} tokens, which leaves no room for the completion. Please reduce "
             "the length of the prompt.",
-            param="messages",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     if max_tokens is None:
@@ -582,8 +586,14 @@ class _ClosingStreamingResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from ray.exceptions import TaskCancelledError
+
         try:
             await super().__call__(scope, receive, send)
+        except TaskCancelledError:
+            # Under Serve, `receive` raises this when the client disconnects: the normal end of
+            # a stream nobody reads, as `http.disconnect` is in plain ASGI.
+            pass
         finally:
             # A body left suspended at a `yield` (the client went away mid-send) is closed here
             # rather than whenever it is garbage-collected.

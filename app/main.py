@@ -45,18 +45,17 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The Serve application for `args` (the YAML's `args:` block, or an `AppArgs`)."""
     from replicas.deployment import EngineDeployment
 
-    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-    source = resolve_model(args)
-    # Re-validate with the demo's adapters merged in (configured ones win on a name clash) and
-    # every path absolute: replicas do not share the builder's working directory.
-    adapters = {**source.adapters, **args.adapters}
+    given = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    source = resolve_model(given)
+    # Validated again with the model's own adapters merged in (configured ones win on a name
+    # clash) and every path absolute: replicas do not share the builder's working directory.
+    adapters = {**source.adapters, **given.adapters}
     args = AppArgs.model_validate(
         {
-            **args.model_dump(),
-            "served_model_name": args.base_model_name,
-            "adapters": {
-                name: str(Path(path).expanduser().absolute()) for name, path in adapters.items()
-            },
+            **given.model_dump(),
+            "served_model_name": given.base_model_name,
+            "adapters": {name: _absolute(path) for name, path in adapters.items()},
+            "adapter_root": _absolute(given.adapter_root) if given.adapter_root else None,
         }
     )
     check_adapters(args.adapters, args.max_lora_rank)
@@ -90,6 +89,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         num_replicas=args.num_ingress_replicas,
         max_ongoing_requests=args.max_ongoing_requests * args.num_replicas,
     ).bind(engine, settings, str(source.model_dir), prepare=source.prepare)
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().absolute())
 
 
 def resolve_model(args: AppArgs) -> ModelSource:

@@ -7,7 +7,9 @@ the real peft library, so our loader and kernels are checked against files PEFT 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -37,7 +39,7 @@ _ARCH_DEFAULTS: dict[str, dict] = {
 
 
 def make_model(tmp_dir: str | Path, arch: str = "llama", **overrides) -> Path:
-    """Write a small `arch` model (llama, mistral, qwen2, qwen3) under `tmp_dir`; return its folder.
+    """Write a small `arch` model (llama, mistral, qwen2, qwen3) into `tmp_dir`; return it.
 
     `overrides` replace any `write_llama_model` argument (e.g. `tie_word_embeddings=True`,
     `seed=3`, `num_layers=3`). The vocabulary is exactly the byte tokenizer's 259 ids unless
@@ -47,9 +49,7 @@ def make_model(tmp_dir: str | Path, arch: str = "llama", **overrides) -> Path:
         raise ValueError(f"unknown arch {arch!r}")
     tokenizer = build_byte_tokenizer()
     kwargs = {**SMALL_MODEL, **_ARCH_DEFAULTS[arch], "vocab_size": len(tokenizer), **overrides}
-    tied = "-tied" if kwargs.get("tie_word_embeddings") else ""
-    out = Path(tmp_dir) / f"{arch}{tied}-seed{kwargs['seed']}"
-    return write_llama_model(out, arch=arch, tokenizer=tokenizer, **kwargs)
+    return write_llama_model(tmp_dir, arch=arch, tokenizer=tokenizer, **kwargs)
 
 
 def make_adapter(
@@ -67,6 +67,8 @@ def make_adapter(
     `init_lora_weights=False` keeps torch's default Linear init for both A and B (PEFT's default
     would zero B, making the adapter a no-op); the init runs under `seed` without touching the
     caller's global RNG state. `lora_alpha` defaults to `rank` (scaling 1 without rsLoRA).
+    The weights are rounded to bfloat16 values (still saved as float32), like the models', so a
+    bf16 engine loads exactly what the float32 reference runs.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -81,9 +83,13 @@ def make_adapter(
         init_lora_weights=False,
     )
     base = _load_model(model_dir)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _quiet_peft():
         torch.manual_seed(seed)
         peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(param.bfloat16())
     out = Path(out_dir)
     peft_model.save_pretrained(out, safe_serialization=True)
     return out
@@ -103,8 +109,19 @@ def _load_model(model_dir: str | Path, adapter_dir: str | Path | None = None) ->
     if adapter_dir is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter_dir)
+        with _quiet_peft():
+            model = PeftModel.from_pretrained(model, adapter_dir)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """Silence the FutureWarning peft triggers in transformers 5 on every wrap; it is not ours."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+        )
+        yield
 
 
 @torch.inference_mode()

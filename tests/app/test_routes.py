@@ -400,7 +400,23 @@ class TestErrors:
         error = assert_openai_error(r, 400, code="context_length_exceeded")
         assert str(MAX_MODEL_LEN) in error["message"]
         assert str(MAX_MODEL_LEN + 1) in error["message"]
+        assert error["param"] == "prompt"
         assert engine.requests == []
+
+    async def test_chat_longer_than_the_context_is_400(self, tokenizer):
+        engine = FakeEngine(text_chunks("x"))
+        payload = {"model": BASE, "messages": [{"role": "user", "content": "a" * MAX_MODEL_LEN}]}
+        async with make_client(engine, tokenizer) as client:
+            r = await client.post("/v1/chat/completions", json=payload)
+        error = assert_openai_error(r, 400, code="context_length_exceeded")
+        assert error["param"] == "messages"
+        assert engine.requests == []
+
+    async def test_empty_prompt_is_400(self, tokenizer):
+        async with make_client(FakeEngine(), tokenizer) as client:
+            r = await client.post("/v1/completions", json={"model": BASE, "prompt": ""})
+        error = assert_openai_error(r, 400)
+        assert "empty" in error["message"]
 
     async def test_prompt_plus_max_tokens_over_the_context_is_400(self, tokenizer):
         engine = FakeEngine(text_chunks("x"))
@@ -505,6 +521,30 @@ class TestClientDisconnect:
 
         await asyncio.wait_for(api(_asgi_scope("/v1/completions", "2.3"), receive, send), 5)
         assert len(engine.requests) == 1
+        assert engine.aborted == [engine.requests[0].request_id]
+
+    async def test_serve_signals_the_disconnect_by_raising_from_receive(self, tokenizer):
+        from ray.exceptions import TaskCancelledError
+
+        engine = FakeEngine(text_chunks("Hello"), hang=True)
+        api = make_api(engine, tokenizer, _settings())
+        body = json.dumps({"model": BASE, "prompt": "a", "stream": True}).encode()
+        first_text_sent = asyncio.Event()
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive() -> dict:
+            message = next(messages, None)
+            if message is not None:
+                return message
+            await first_text_sent.wait()
+            raise TaskCancelledError()
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                first_text_sent.set()
+
+        # A client gone is a normal end, not an error for Serve to log.
+        await asyncio.wait_for(api(_asgi_scope("/v1/completions", "2.3"), receive, send), 5)
         assert engine.aborted == [engine.requests[0].request_id]
 
     async def test_send_failing_mid_stream(self, tokenizer):

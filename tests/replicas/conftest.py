@@ -42,23 +42,26 @@ def forward_logits(engine: Engine, chunks: list[list[int]]) -> torch.Tensor:
     bs = engine.config.block_size
     total = sum(len(c) for c in chunks)
     table = list(range(-(-total // bs)))
+    dev = runner.device
     out, start = [], 0
     for chunk in chunks:
         end = start + len(chunk)
         attn = AttentionBatch(
             q_starts=[0, len(chunk)],
             ctx_lens=[end],
-            slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)]),
-            block_table=torch.tensor([table], dtype=torch.int32),
-            ctx_lens_t=torch.tensor([end], dtype=torch.int32),
-            q_starts_t=torch.tensor([0, len(chunk)], dtype=torch.int32),
+            slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)],
+                                      device=dev),
+            block_table=torch.tensor([table], dtype=torch.int32, device=dev),
+            ctx_lens_t=torch.tensor([end], dtype=torch.int32, device=dev),
+            q_starts_t=torch.tensor([0, len(chunk)], dtype=torch.int32, device=dev),
             block_size=bs,
             sliding_window=engine.spec.sliding_window,
         )
         ctx = StepContext(attn, runner.lora_pool.make_batch([], [], len(chunk)), runner.kv_caches,
                           runner.lora_pool)
         with torch.inference_mode():
-            hidden = runner.model(torch.tensor(chunk), torch.arange(start, end), ctx)
+            hidden = runner.model(torch.tensor(chunk, device=dev),
+                                  torch.arange(start, end, device=dev), ctx)
             out.append(runner.model.logits(hidden))
         start = end
     return torch.cat(out)
