@@ -105,10 +105,6 @@ class AppArgs(BaseModel):
         le=1.0,
         description="Share of the GPU memory left after weights and adapter slots for KV cache.",
     )
-    enable_prefetch: bool = Field(
-        default=True,
-        description="Load adapters into GPU slots ahead of need, from the queue and router hints.",
-    )
     max_ongoing_requests: int = Field(
         default=256,
         ge=1,

@@ -103,8 +103,17 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
             f"adapter {root.name!r} has rank {top_rank}, above max_lora_rank {max_lora_rank}"
         )
     targets = cfg.get("target_modules") or []
-    if isinstance(targets, str):
-        targets = [t for t in LORA_TARGETS if re.fullmatch(targets, t) or targets.endswith(t)]
+    if targets == "all-linear":  # PEFT's shorthand for every linear layer but the LM head
+        targets = list(LORA_TARGETS)
+    elif isinstance(targets, str):  # a regex over module names
+        pattern = targets
+        targets = [
+            t for t in LORA_TARGETS
+            if any(re.fullmatch(pattern, f"model.layers.0.{parent}.{t}")
+                   for parent in ("self_attn", "mlp"))
+        ]
+    if not targets:
+        raise AdapterError(f"{config_path}: target_modules names none of {list(LORA_TARGETS)}")
     unknown = sorted(set(targets) - set(LORA_TARGETS))
     if unknown:
         raise AdapterError(

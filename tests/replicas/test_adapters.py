@@ -138,3 +138,28 @@ def test_host_cache_evicts_lru_but_not_pinned():
     cache.get("p")
     assert cache.put("b", 3) == ["a"]
     assert "p" in cache and "b" in cache and len(cache) == 2
+
+
+@pytest.mark.parametrize(
+    ("targets", "expected"),
+    [
+        ("all-linear", 7),
+        (r".*\.(q_proj|v_proj)", 2),
+        (["q_proj", "k_proj"], 2),
+    ],
+)
+def test_target_module_forms(good_adapter, tmp_path, targets, expected):
+    path = broken_copy(good_adapter, tmp_path, "targets")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["target_modules"] = targets
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    assert len(read_adapter_config(path, 16).target_modules) == expected
+
+
+def test_targets_matching_nothing_are_refused(good_adapter, tmp_path):
+    path = broken_copy(good_adapter, tmp_path, "nothing")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["target_modules"] = r".*\.lm_head"
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match="names none"):
+        read_adapter_config(path, 16)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from replicas.request import Request
 from tests.factories import hf_greedy, hf_logits
 from tests.replicas.conftest import forward_logits, greedy, make_engine, run_to_completion
-from replicas.request import Request
 
 PROMPT = [5, 17, 200, 33, 98, 4, 61, 150, 7, 12, 250, 3, 44]
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama-tied"]
