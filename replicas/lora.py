@@ -91,22 +91,25 @@ class LoraWeightPool:
         self.ranks[slot] = weights.rank
         self.scalings[slot] = weights.scaling
 
-    def make_batch(self, seg_lens: list[int], seg_slots: list[int], num_tokens: int) -> SgmvBatch:
+    def make_batch(
+        self, seg_lens: list[int], seg_slots: list[int], num_tokens: int, to_device=None
+    ) -> SgmvBatch:
         """Segments laid end to end from token 0 (the runner puts adapter tokens first, grouped by
-        slot, and base-model tokens after them)."""
+        slot, and base-model tokens after them). `to_device(values, dtype)` moves the segment
+        tables to the device (the runner passes its non-blocking staging)."""
         starts, ends, pos = [], [], 0
         for n in seg_lens:
             starts.append(pos)
             pos += n
             ends.append(pos)
-        indptr = torch.tensor([0, *ends], dtype=torch.int32)
-        slots = torch.tensor(seg_slots, dtype=torch.int32)
+        if to_device is None:
+            to_device = lambda values, dtype: torch.tensor(values, dtype=dtype).to(self.device)
         return SgmvBatch(
             seg_starts=starts,
             seg_ends=ends,
             seg_slots_host=list(seg_slots),
-            seg_indptr=indptr.to(self.device, non_blocking=True),
-            seg_slots=slots.to(self.device, non_blocking=True),
+            seg_indptr=to_device([0, *ends], torch.int32),
+            seg_slots=to_device(list(seg_slots), torch.int32),
             slot_ranks=self.ranks,
             slot_scalings=self.scalings,
             slot_ranks_host=tuple(self.ranks_host),

@@ -19,6 +19,7 @@ from replicas.models.spec import ModelSpec
 from replicas.models.weights import load_model
 from replicas.sampler import Sampler
 from replicas.scheduler import ScheduledSeq
+from replicas.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
         self.sampler = Sampler(self.device, config.seed)
+        self.staging = HostStaging(self.device)
         self._generators: dict[str, torch.Generator] = {}
         logger.info(
             "model runner ready: %d KV blocks of %d tokens on %s (%s)",
@@ -137,41 +139,41 @@ class ModelRunner:
                     seg_slots.append(req.slot)
         num_tokens = len(ids)
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        dev = self.device
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        stage = self.staging
+        stage.reset()  # safe: the previous step's readback waited for its copies
         attn = AttentionBatch(
             q_starts=q_starts,
             ctx_lens=ctx_lens,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(dev),
-            block_table=table.to(dev),
-            ctx_lens_t=torch.tensor(ctx_lens, dtype=torch.int32).to(dev),
-            q_starts_t=torch.tensor(q_starts, dtype=torch.int32).to(dev),
+            slot_mapping=stage.tensor(slot_mapping, torch.int64),
+            block_table=stage.tensor(padded, torch.int32),
+            ctx_lens_t=stage.tensor(ctx_lens, torch.int32),
+            q_starts_t=stage.tensor(q_starts, torch.int32),
             block_size=bs,
             sliding_window=self.spec.sliding_window,
         )
         ctx = StepContext(
             attn=attn,
-            lora=self.lora_pool.make_batch(seg_lens, seg_slots, num_tokens),
+            lora=self.lora_pool.make_batch(seg_lens, seg_slots, num_tokens, stage.tensor),
             kv_caches=self.kv_caches,
             lora_pool=self.lora_pool,
         )
         hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64).to(dev),
-            torch.tensor(positions, dtype=torch.int64).to(dev),
-            ctx,
+            stage.tensor(ids, torch.int64), stage.tensor(positions, torch.int64), ctx
         )
         rows = [k for k, i in enumerate(order) if seqs[i].samples]
         if not rows:
             return []
-        last = torch.tensor([q_starts[k + 1] - 1 for k in rows], dtype=torch.int64).to(dev)
+        last = stage.tensor([q_starts[k + 1] - 1 for k in rows], torch.int64)
         logits = self.model.logits(hidden[last])
         sampled = [seqs[order[k]] for k in rows]
         tokens = self.sampler.sample(
             logits,
             [s.request.sampling for s in sampled],
             [self._generator(s) for s in sampled],
-        ).tolist()  # the step's one device->host transfer: the sampled tokens
-        by_seq = {order[k]: t for k, t in zip(rows, tokens, strict=True)}
+            stage.tensor,
+        )
+        by_seq = dict(zip((order[k] for k in rows), stage.readback(tokens), strict=True))
         return [by_seq[i] for i in sorted(by_seq)]
 
     def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:

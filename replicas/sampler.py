@@ -29,30 +29,35 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        to_device=None,
     ) -> torch.Tensor:
-        """logits: [N, V] float32 -> token ids [N] int64 on the device."""
-        tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not rows:
-            return tokens
-        sub = logits[rows]
-        temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype)
-        probs = torch.softmax(sub / temps.to(sub.device).unsqueeze(1), dim=-1)
-        probs = _truncate(probs, [params[i] for i in rows])
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
-            noise[j].exponential_(generator=generators[i] or self.generator)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens
+        """logits: [N, V] float32 -> token ids [N] int64 on the device. `to_device(values,
+        dtype)` moves per-row parameters to the device without a blocking copy."""
+        if to_device is None:
+            to_device = lambda values, dtype: torch.tensor(values, dtype=dtype).to(self.device)
+        greedy = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy
+        # Greedy rows get temperature 1 here and are taken from `greedy` at the end.
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32)
+        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        probs = _truncate(probs, params, to_device)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:  # a seeded request draws from its own generator
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = to_device([p.greedy for p in params], torch.bool)
+        return torch.where(is_greedy, greedy, sampled)
 
 
-def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _truncate(probs: torch.Tensor, params: list[SamplingParams], to_device) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k and top-p nucleus."""
     if all(p.top_k is None and p.top_p >= 1.0 for p in params):
         return probs
     vocab = probs.shape[1]
-    ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=probs.device)
-    ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
+    ks = to_device([min(p.top_k or vocab, vocab) for p in params], torch.int64)
+    ps = to_device([p.top_p for p in params], torch.float32)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token

@@ -1,0 +1,63 @@
+"""Host <-> device traffic of one engine step, without blocking copies.
+
+Each step's small metadata tensors (token ids, positions, slot mapping, block tables, segment
+bounds, sampling parameters) are written into one pinned host buffer, bump-allocated and reset
+every step, and copied to the device with `non_blocking=True`. The sampled tokens come back the
+same way, into a pinned output buffer, and the host waits on a CUDA event recorded after that
+copy: the step's one wait, and the reason the next step may overwrite the pinned buffers (all
+copies that read them were enqueued before the event).
+
+On CPU the same calls build plain tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ALIGN = 16
+
+
+class HostStaging:
+    def __init__(self, device: torch.device, capacity_bytes: int = 1 << 22) -> None:
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        if self.on_cuda:
+            self._host = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=True)
+            self._out = torch.empty(1 << 16, dtype=torch.int64, pin_memory=True)
+            self._done = torch.cuda.Event()
+        self._offset = 0
+
+    def reset(self) -> None:
+        """Start a new step. Only call after the previous step's `readback` returned."""
+        self._offset = 0
+
+    def tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor holding `values` (a list or a CPU tensor)."""
+        src = torch.as_tensor(values, dtype=dtype)
+        if not self.on_cuda:
+            return src.clone() if isinstance(values, torch.Tensor) else src
+        nbytes = src.numel() * src.element_size()
+        start = self._offset
+        end = start + nbytes
+        if end > self._host.numel():
+            # Rare: a step larger than the buffer. Grow it; the old buffer's copies already ran
+            # (the previous step waited on its event) or are enqueued before any reuse.
+            self._host = torch.empty(max(2 * self._host.numel(), end), dtype=torch.uint8,
+                                     pin_memory=True)
+        self._offset = -(-end // _ALIGN) * _ALIGN
+        staged = self._host[start:end].view(dtype).view(src.shape)
+        staged.copy_(src)
+        return staged.to(self.device, non_blocking=True)
+
+    def readback(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled token ids on the host. Waits on an event, never on the whole device."""
+        if not self.on_cuda:
+            return tokens.tolist()
+        n = tokens.numel()
+        if n > self._out.numel():
+            self._out = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+        out = self._out[:n]
+        out.copy_(tokens, non_blocking=True)
+        self._done.record()
+        self._done.synchronize()  # the step's single wait: its sampled tokens are in `out`
+        return out.tolist()

@@ -1,0 +1,45 @@
+"""Steady-state decode steps must not synchronize the host with the device, except for the
+one event wait that brings the sampled tokens back."""
+
+import pytest
+import torch
+
+from replicas.config import EngineConfig
+from replicas.engine import Engine
+from replicas.request import Request, SamplingParams
+from tests.factories import make_adapter, make_model
+
+pytestmark = pytest.mark.gpu
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
+    model_dir = make_model(tmp_path / "m", hidden_size=128, intermediate_size=256, num_heads=4,
+                           num_kv_heads=2)
+    adapters = tuple(
+        (f"a{i}", str(make_adapter(model_dir, tmp_path / f"a{i}", rank=4 * (i + 1),
+                                   target_modules=ALL, seed=i)))
+        for i in range(3)
+    )
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", num_kv_blocks=256,
+                                 adapters=adapters))
+    params = SamplingParams(max_tokens=64, temperature=temperature, top_p=0.9, top_k=50,
+                            ignore_eos=True)
+    for i in range(6):
+        adapter = None if i % 4 == 3 else adapters[i % 3][0]
+        seed = i if i % 2 else None
+        p = SamplingParams(**{**params.__dict__, "seed": seed})
+        engine.add_request(Request(f"r{i}", [5 + i, 6, 7, 8], p, adapter))
+    for _ in range(3):  # prefill and the first decodes: adapters load, caches warm up
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the mode is live: a plain readback is refused
+            torch.ones(1, device="cuda").item()
+        for _ in range(8):
+            outputs = engine.step()
+            assert len(outputs) == 6
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
