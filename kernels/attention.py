@@ -8,6 +8,7 @@ context (cached prefix + new tokens), causally.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,3 +91,20 @@ def _mask(n: int, ctx: int, window: int | None, device: torch.device) -> torch.T
     if window is not None:
         mask &= q_pos - k_pos < window
     return mask
+
+
+# (q, k_cache, v_cache, batch, scale) -> attention output, shaped like q
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch, float], torch.Tensor
+]
+
+
+def get_attention_backend(name: str) -> AttentionFn:
+    """"torch" (the reference, any device) or "triton" (GPU kernels; graph-capturable decode)."""
+    if name == "torch":
+        return torch_paged_attention
+    if name == "triton":
+        from kernels.attention_triton import triton_paged_attention
+
+        return triton_paged_attention
+    raise ValueError(f"unknown attention backend {name!r}; known: torch, triton")

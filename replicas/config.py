@@ -30,6 +30,8 @@ class EngineConfig:
     sgmv_backend: str = (
         "auto"  # "auto" (triton on cuda when available, else torch), "torch", "triton"
     )
+    attention_backend: str = "auto"  # like sgmv_backend
+    enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
     seed: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())  # extra EOS ids beyond the model's own
 

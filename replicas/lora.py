@@ -39,6 +39,7 @@ class LoraWeightPool:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
+        self.backend = backend
         self._shrink, self._expand = get_backend(backend)
         self.out_offsets: dict[str, tuple[int, ...]] = {}
         self.a: list[dict[str, torch.Tensor]] = []

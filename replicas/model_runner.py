@@ -10,8 +10,9 @@ import logging
 
 import torch
 
-from kernels.attention import AttentionBatch
+from kernels.attention import AttentionBatch, get_attention_backend
 from replicas.config import EngineConfig
+from replicas.cuda_graphs import DecodeGraphs
 from replicas.kv_cache import blocks_for
 from replicas.lora import LoraWeightPool
 from replicas.models.llama import StepContext
@@ -31,6 +32,19 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     if config.dtype == "auto":
         return torch.float32 if config.device == "cpu" else torch.bfloat16
     return DTYPES[config.dtype]
+
+
+def resolve_attention_backend(config: EngineConfig) -> str:
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    if config.device == "cpu":
+        return "torch"
+    try:
+        import kernels.attention_triton  # noqa: F401
+
+        return "triton"
+    except ImportError:
+        return "torch"
 
 
 def resolve_sgmv_backend(config: EngineConfig) -> str:
@@ -62,7 +76,10 @@ class ModelRunner:
             backend=resolve_sgmv_backend(config),
         )
         self.num_kv_blocks = self._num_kv_blocks(max_model_len)
-        shape = (self.num_kv_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+        # One block past those the allocator hands out takes the keys and values of padding
+        # rows in graph-replayed decode steps.
+        self.pad_slot = self.num_kv_blocks * config.block_size
+        shape = (self.num_kv_blocks + 1, config.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -72,6 +89,27 @@ class ModelRunner:
         ]
         self.sampler = Sampler(self.device, config.seed)
         self.staging = HostStaging(self.device)
+        self.attention_backend = resolve_attention_backend(config)
+        self.attention = get_attention_backend(self.attention_backend)
+        self.graphs: DecodeGraphs | None = None
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.attention_backend == "triton"
+            and self.lora_pool.backend == "triton"
+        ):
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.lora_pool,
+                self.kv_caches,
+                self.attention,
+                max_batch=config.max_num_seqs,
+                max_blocks_per_seq=blocks_for(max_model_len, config.block_size),
+                block_size=config.block_size,
+                pad_slot=self.pad_slot,
+                device=self.device,
+            )
+            self.graphs.capture()
         self._generators: dict[str, torch.Generator] = {}
         logger.info(
             "model runner ready: %d KV blocks of %d tokens on %s (%s)",
@@ -125,7 +163,7 @@ class ModelRunner:
             seq = seqs[i]
             req = seq.request
             start, end = seq.start, seq.start + seq.num_new_tokens
-            ids += req.token_ids[start:end]
+            ids += req.token_slice(start, end)
             positions += range(start, end)
             slot_mapping += [req.block_table[p // bs] * bs + p % bs for p in range(start, end)]
             q_starts.append(q_starts[-1] + seq.num_new_tokens)
@@ -138,29 +176,17 @@ class ModelRunner:
                     seg_lens.append(seq.num_new_tokens)
                     seg_slots.append(req.slot)
         num_tokens = len(ids)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
         stage = self.staging
         stage.reset()  # safe: the previous step's readback waited for its copies
-        attn = AttentionBatch(
-            q_starts=q_starts,
-            ctx_lens=ctx_lens,
-            slot_mapping=stage.tensor(slot_mapping, torch.int64),
-            block_table=stage.tensor(padded, torch.int32),
-            ctx_lens_t=stage.tensor(ctx_lens, torch.int32),
-            q_starts_t=stage.tensor(q_starts, torch.int32),
-            block_size=bs,
-            sliding_window=self.spec.sliding_window,
-        )
-        ctx = StepContext(
-            attn=attn,
-            lora=self.lora_pool.make_batch(seg_lens, seg_slots, num_tokens, stage.tensor),
-            kv_caches=self.kv_caches,
-            lora_pool=self.lora_pool,
-        )
-        hidden = self.model(
-            stage.tensor(ids, torch.int64), stage.tensor(positions, torch.int64), ctx
-        )
+        graphs = self.graphs
+        if graphs is not None and num_tokens == len(seqs) and graphs.bucket_for(num_tokens):
+            hidden = graphs.run(
+                stage, ids, positions, slot_mapping, tables, ctx_lens, seg_lens, seg_slots
+            )
+        else:
+            hidden = self._forward(
+                stage, ids, positions, slot_mapping, q_starts, ctx_lens, tables, seg_lens, seg_slots
+            )
         rows = [k for k, i in enumerate(order) if seqs[i].samples]
         if not rows:
             return []
@@ -175,6 +201,39 @@ class ModelRunner:
         )
         by_seq = dict(zip((order[k] for k in rows), stage.readback(tokens), strict=True))
         return [by_seq[i] for i in sorted(by_seq)]
+
+    def _forward(
+        self,
+        stage: HostStaging,
+        ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        q_starts: list[int],
+        ctx_lens: list[int],
+        tables: list[list[int]],
+        seg_lens: list[int],
+        seg_slots: list[int],
+    ) -> torch.Tensor:
+        """The eager forward pass over any mix of prefill chunks and decodes."""
+        width = max(len(t) for t in tables)
+        attn = AttentionBatch(
+            q_starts=q_starts,
+            ctx_lens=ctx_lens,
+            slot_mapping=stage.tensor(slot_mapping, torch.int64),
+            block_table=stage.tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+            ctx_lens_t=stage.tensor(ctx_lens, torch.int32),
+            q_starts_t=stage.tensor(q_starts, torch.int32),
+            block_size=self.config.block_size,
+            sliding_window=self.spec.sliding_window,
+        )
+        ctx = StepContext(
+            attn=attn,
+            lora=self.lora_pool.make_batch(seg_lens, seg_slots, len(ids), stage.tensor),
+            kv_caches=self.kv_caches,
+            lora_pool=self.lora_pool,
+            attention=self.attention,
+        )
+        return self.model(stage.tensor(ids, torch.int64), stage.tensor(positions, torch.int64), ctx)
 
     def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:
         req = seq.request

@@ -91,6 +91,13 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (decode reads one token)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.token_ids[start:end]
+
     @property
     def num_pending_tokens(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""

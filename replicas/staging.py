@@ -42,12 +42,18 @@ class HostStaging:
         if end > self._host.numel():
             # Rare: a step larger than the buffer. Grow it; the old buffer's copies already ran
             # (the previous step waited on its event) or are enqueued before any reuse.
-            self._host = torch.empty(max(2 * self._host.numel(), end), dtype=torch.uint8,
-                                     pin_memory=True)
+            self._host = torch.empty(
+                max(2 * self._host.numel(), end), dtype=torch.uint8, pin_memory=True
+            )
         self._offset = -(-end // _ALIGN) * _ALIGN
         staged = self._host[start:end].view(dtype).view(src.shape)
         staged.copy_(src)
         return staged.to(self.device, non_blocking=True)
+
+    def copy_into(self, dst: torch.Tensor, values, dtype: torch.dtype) -> None:
+        """Fill the device tensor `dst` (a static buffer, e.g. a CUDA-graph input) with
+        `values`, without a blocking copy."""
+        dst.copy_(self.tensor(values, dtype).view(dst.shape), non_blocking=True)
 
     def readback(self, tokens: torch.Tensor) -> list[int]:
         """The sampled token ids on the host. Waits on an event, never on the whole device."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import AttentionBatch, store_kv, torch_paged_attention
+from kernels.attention import AttentionBatch, AttentionFn, store_kv, torch_paged_attention
 from kernels.sgmv import SgmvBatch
 from replicas.lora import LoraWeightPool
 from replicas.models.rope import RotaryEmbedding
@@ -27,6 +27,7 @@ class StepContext:
     lora: SgmvBatch
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     lora_pool: LoraWeightPool | None
+    attention: AttentionFn = torch_paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +88,7 @@ class DecoderLayer(nn.Module):
         q, k = rope(q, positions), rope(k, positions)
         k_cache, v_cache = ctx.kv_caches[self.index]
         store_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
-        attn = torch_paged_attention(q, k_cache, v_cache, ctx.attn, self.scale)
+        attn = ctx.attention(q, k_cache, v_cache, ctx.attn, self.scale)
         x = x + self._project(attn.reshape(T, spec.q_size), self.o_proj, "o", ctx)
         h = self.post_attention_layernorm(x)
         gate, up = self._project(h, self.gate_up_proj, "gate_up", ctx).chunk(2, dim=-1)
