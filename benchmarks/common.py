@@ -1,0 +1,79 @@
+"""Shared helpers for benchmarks: timing with CUDA events, the HBM bandwidth of this device, and
+writing results (markdown table + JSON) with the command, device and date."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def time_cuda(
+    fn: Callable[[], object], iters: int = 50, repeats: int = 5, warmup: int = 5
+) -> float:
+    """Median over `repeats` of the mean time of `iters` calls, in microseconds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000 / iters)
+    return statistics.median(samples)
+
+
+def hbm_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_cuda(lambda: dst.copy_(src), iters=20, repeats=5)
+    return 2 * nbytes / (us * 1e-6)
+
+
+def write_results(
+    out_dir: str | Path,
+    name: str,
+    title: str,
+    comparison: str,
+    columns: list[str],
+    rows: list[dict],
+    extra: dict | None = None,
+) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": "python " + " ".join(sys.argv),
+        "device": device_name(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "comparison": comparison,
+        **(extra or {}),
+    }
+    (out / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    lines = [f"# {title}", ""]
+    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    return out / f"{name}.md"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)
