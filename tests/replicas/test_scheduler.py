@@ -234,6 +234,6 @@ class TestAdapterAdmission:
 def test_policy_modules_import_without_torch():
     code = (
         "import sys, replicas.scheduler, replicas.kv_cache, replicas.adapters.slot_pool, "
-        "replicas.adapters.host_cache; assert 'torch' not in sys.modules, 'torch imported'"
+        "replicas.adapters.host_cache, replicas.adapters.prefetcher; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
