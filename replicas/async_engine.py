@@ -95,6 +95,9 @@ class AsyncEngine:
                 outputs = self.engine.abort_all(f"internal engine error: {e}")
             for output in outputs:
                 self._deliver(output)
+            if self.engine.stalled:  # only adapter reads are in flight: don't spin
+                self._wake.wait(timeout=0.001)
+                self._wake.clear()
 
     def _drain_inbox(self) -> None:
         while True:

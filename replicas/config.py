@@ -25,6 +25,8 @@ class EngineConfig:
     max_loras_per_batch: int = 8  # GPU adapter slots
     max_lora_rank: int = 16
     max_loaded_loras: int = 64  # adapters kept in host memory
+    adapter_loading: str = "prefetch"  # "blocking", "overlap", "prefetch": adapters/manager.py
+    pinned_adapters: tuple[str, ...] = ()  # never evicted from GPU slots or host memory
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path) known at start-up
     adapter_root: str | None = None  # folder whose subfolders are adapters, found on first use
     sgmv_backend: str = (
@@ -50,6 +52,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.adapter_loading not in ("blocking", "overlap", "prefetch"):
+            raise ValueError(f"unknown adapter_loading {self.adapter_loading!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
 

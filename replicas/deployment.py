@@ -51,7 +51,7 @@ class EngineDeployment:
         return {
             "num_steps": engine.num_steps,
             "max_adapters_in_step": engine.max_adapters_in_step,
-            "adapter_loads": engine.adapters.num_loads,
+            "adapter_loads": engine.adapters.stats.gpu_loads,
             "resident_adapters": engine.adapters.slots.resident,
             "num_free_kv_blocks": engine.blocks.num_free,
             "num_kv_blocks": engine.blocks.num_blocks,

@@ -45,6 +45,8 @@ class Engine:
             config.adapter_root,
             config.max_loaded_loras,
             self.runner.dtype,
+            mode=config.adapter_loading,
+            pinned=config.pinned_adapters,
         )
         self.blocks = BlockAllocator(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -53,6 +55,7 @@ class Engine:
             self.adapters,
         )
         self.num_steps = 0
+        self.stalled = False  # the last step ran nothing while requests wait (adapter reads)
         self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
 
     @property
@@ -87,7 +90,11 @@ class Engine:
         return RequestOutput(request_id, [], request.finish_reason, None, request.num_prompt_tokens)
 
     def step(self) -> list[RequestOutput]:
+        self.adapters.tick(
+            [(r.adapter, r.arrival_time) for r in self.scheduler.waiting if r.adapter is not None]
+        )
         sched = self.scheduler.schedule()
+        self.stalled = sched.empty and not sched.failed and self.has_work
         outputs = [
             RequestOutput(r.request_id, [], r.finish_reason, r.error, r.num_prompt_tokens)
             for r in sched.failed
@@ -100,7 +107,8 @@ class Engine:
             len({s.request.adapter for s in sched.seqs if s.request.adapter is not None}),
         )
         sampling = [s for s in sched.seqs if s.samples]
-        tokens = self.runner.execute(sched.seqs)
+        slots = {s.request.slot for s in sched.seqs if s.request.slot is not None}
+        tokens = self.runner.execute(sched.seqs, self.adapters.layer_waits(slots))
         for seq in sched.seqs:
             seq.request.num_computed_tokens += seq.num_new_tokens
         for seq, token in zip(sampling, tokens, strict=True):

@@ -11,6 +11,8 @@ owns the buffers; `write` fills a slot that no running request uses (the slot po
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kernels.sgmv import SgmvBatch, get_backend
@@ -70,27 +72,45 @@ class LoraWeightPool:
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.a + self.b for t in layer.values())
 
-    def write(self, slot: int, weights: AdapterWeights) -> None:
-        """Copy an adapter into `slot`, clearing whatever was there before."""
+    def write(
+        self, slot: int, weights: AdapterWeights, stream: torch.cuda.Stream | None = None
+    ) -> list[torch.cuda.Event] | None:
+        """Copy an adapter into `slot`, replacing whatever was there.
+
+        On CUDA with a `stream`, the copies are enqueued there (non-blocking, from pinned host
+        memory) layer by layer, and one event per layer is returned: the forward pass of layer L
+        waits on event L only, so a prefill can start while later layers are still arriving. The
+        caller orders the stream after any work that still reads the slot's previous adapter.
+        Without a stream the copies run on the current stream.
+        """
         R = self.max_rank
-        for layer in range(self.spec.num_layers):
-            for group, targets in LORA_GROUPS.items():
-                a, b = self.a[layer][group][slot], self.b[layer][group][slot]
-                a.zero_()
-                b.zero_()
-                offsets = self.out_offsets[group]
-                for i, target in enumerate(targets):
-                    pair = weights.modules.get((layer, target))
-                    if pair is None:
-                        continue
-                    wa, wb = pair
-                    r = wa.shape[0]
-                    a[i * R : i * R + r].copy_(wa, non_blocking=True)
-                    b[offsets[i] : offsets[i + 1], :r].copy_(wb, non_blocking=True)
+        prev = self.ranks_host[slot]  # rows/columns past `prev` are zero in every module
+        events: list[torch.cuda.Event] | None = [] if stream is not None else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            self.ranks[slot] = weights.rank
+            self.scalings[slot] = weights.scaling
+            for layer in range(self.spec.num_layers):
+                for group, targets in LORA_GROUPS.items():
+                    a, b = self.a[layer][group][slot], self.b[layer][group][slot]
+                    offsets = self.out_offsets[group]
+                    for i, target in enumerate(targets):
+                        rows, cols = a[i * R : (i + 1) * R], b[offsets[i] : offsets[i + 1]]
+                        pair = weights.modules.get((layer, target))
+                        r = 0 if pair is None else pair[0].shape[0]
+                        if pair is not None:
+                            rows[:r].copy_(pair[0], non_blocking=True)
+                            cols[:, :r].copy_(pair[1], non_blocking=True)
+                        if prev > r:
+                            rows[r:prev].zero_()
+                            cols[:, r:prev].zero_()
+                if events is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events.append(event)
         self.ranks_host[slot] = weights.rank
         self.scalings_host[slot] = weights.scaling
-        self.ranks[slot] = weights.rank
-        self.scalings[slot] = weights.scaling
+        return events
 
     def make_batch(
         self, seg_lens: list[int], seg_slots: list[int], num_tokens: int, to_device=None

@@ -146,9 +146,11 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> list[int]:
+    def execute(
+        self, seqs: list[ScheduledSeq], layer_waits: list[list[torch.cuda.Event]] | None = None
+    ) -> list[int]:
         """Run one step. Returns the sampled token of every seq whose `samples` is true, in the
-        order of `seqs`."""
+        order of `seqs`. `layer_waits[L]` are adapter-load events layer L must wait on."""
         order = sorted(range(len(seqs)), key=lambda i: _slot_key(seqs[i]))
         ids: list[int] = []
         positions: list[int] = []
@@ -180,12 +182,17 @@ class ModelRunner:
         stage.reset()  # safe: the previous step's readback waited for its copies
         graphs = self.graphs
         if graphs is not None and num_tokens == len(seqs) and graphs.bucket_for(num_tokens):
+            if layer_waits is not None:  # a graph cannot wait per layer: wait for whole loads
+                stream = torch.cuda.current_stream(self.device)
+                for event in layer_waits[-1]:
+                    stream.wait_event(event)
             hidden = graphs.run(
                 stage, ids, positions, slot_mapping, tables, ctx_lens, seg_lens, seg_slots
             )
         else:
             hidden = self._forward(
-                stage, ids, positions, slot_mapping, q_starts, ctx_lens, tables, seg_lens, seg_slots
+                stage, ids, positions, slot_mapping, q_starts, ctx_lens, tables, seg_lens,
+                seg_slots, layer_waits,
             )
         rows = [k for k, i in enumerate(order) if seqs[i].samples]
         if not rows:
@@ -213,6 +220,7 @@ class ModelRunner:
         tables: list[list[int]],
         seg_lens: list[int],
         seg_slots: list[int],
+        layer_waits: list[list[torch.cuda.Event]] | None = None,
     ) -> torch.Tensor:
         """The eager forward pass over any mix of prefill chunks and decodes."""
         width = max(len(t) for t in tables)
@@ -232,6 +240,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             lora_pool=self.lora_pool,
             attention=self.attention,
+            layer_waits=layer_waits,
         )
         return self.model(stage.tensor(ids, torch.int64), stage.tensor(positions, torch.int64), ctx)
 

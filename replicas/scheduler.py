@@ -32,6 +32,10 @@ class AdapterGate(Protocol):
     def is_resident(self, adapter: str) -> bool:
         """The adapter already sits in a slot (acquiring it needs no new slot)."""
 
+    def prepare(self, adapter: str) -> bool:
+        """The adapter can be placed now (its weights are in memory); otherwise start fetching
+        it and return False, without blocking. Raises AdapterLoadError."""
+
     def acquire(self, adapter: str) -> int | None:
         """Hold the adapter's slot for one request, making it resident first if needed. Returns
         the slot, or None when no slot can be had now. Raises AdapterLoadError."""
@@ -143,6 +147,8 @@ class Scheduler:
                 if slot_blocked and not self.adapters.is_resident(request.adapter):
                     continue
                 try:
+                    if not self.adapters.prepare(request.adapter):
+                        continue  # still being read from disk; later requests may go first
                     slot = self.adapters.acquire(request.adapter)
                 except AdapterLoadError as e:
                     self.waiting.remove(request)

@@ -68,6 +68,11 @@ class AdapterWeights:
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
 
+    def pinned(self) -> AdapterWeights:
+        """The same weights in page-locked memory, so host->GPU copies can be asynchronous."""
+        modules = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in self.modules.items()}
+        return AdapterWeights(self.name, self.rank, self.scaling, modules)
+
 
 def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
     root = Path(path)

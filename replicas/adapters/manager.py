@@ -1,19 +1,34 @@
 """The engine's adapter manager: name -> path -> host weights -> GPU slot.
 
-Implements the scheduler's `AdapterGate`. Resolution order for a name: adapters registered at
-start-up or through `register`, then `adapter_root/<name>`. Loads are synchronous here: the
-slot is written before `acquire` returns.
+Implements the scheduler's `AdapterGate`. Names resolve to adapters registered at start-up (or
+later through `register`), then to `adapter_root/<name>`.
+
+Tiers: disk (PEFT safetensors, validated once when read) -> host LRU (`HostCache`, pinned memory
+on CUDA) -> GPU slot (`SlotPool` policy + `LoraWeightPool` buffers). Three loading modes:
+
+- "blocking": a request's adapter is read and copied while the step waits (the simple baseline).
+- "overlap": disk reads run on a worker pool and host->GPU copies on a dedicated load stream,
+  while requests whose adapters are ready keep running; nothing is loaded before it is needed.
+- "prefetch": as "overlap", plus a prefetch queue fed by the waiting queue and by hints from
+  outside the engine (`hint`), loading soonest-needed adapters into free or reclaimable slots
+  ahead of admission.
+
+Only the engine thread calls into this object; worker threads only read files.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from replicas.adapters.host_cache import HostCache
 from replicas.adapters.loader import AdapterError, AdapterWeights, load_adapter, read_adapter_config
+from replicas.adapters.prefetcher import PrefetchQueue, SlotView
 from replicas.adapters.slot_pool import SlotPool
 from replicas.lora import LoraWeightPool
 from replicas.models.spec import ModelSpec
@@ -21,37 +36,55 @@ from replicas.scheduler import AdapterLoadError
 
 logger = logging.getLogger(__name__)
 
+LOADING_MODES = ("blocking", "overlap", "prefetch")
+HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it was due is dropped
+
+
+@dataclass
+class AdapterStats:
+    disk_reads: int = 0  # disk -> host
+    gpu_loads: int = 0  # host -> GPU slot
+    prefetch_loads: int = 0  # GPU loads started by the prefetcher, ahead of admission
+    hits: int = 0  # admissions that found the adapter already in a slot
+    misses: int = 0  # admissions that had to bring it in
+    read_seconds: list[float] = field(default_factory=list)  # recent disk read latencies
+
 
 class AdapterManager:
     def __init__(
-        self,
-        spec: ModelSpec,
-        weights: LoraWeightPool,
-        max_lora_rank: int,
-        adapters: dict[str, str],
-        adapter_root: str | None,
-        max_loaded_loras: int,
-        dtype: torch.dtype,
+        self, spec: ModelSpec, weights: LoraWeightPool, max_lora_rank: int,
+        adapters: dict[str, str], adapter_root: str | None, max_loaded_loras: int,
+        dtype: torch.dtype, mode: str = "prefetch", pinned: tuple[str, ...] = (),
+        read_workers: int = 4,
     ) -> None:
+        if mode not in LOADING_MODES:
+            raise ValueError(f"adapter loading mode must be one of {LOADING_MODES}, got {mode!r}")
         self.spec = spec
         self.weights = weights
         self.max_lora_rank = max_lora_rank
         self.adapter_root = Path(adapter_root) if adapter_root else None
         self.dtype = dtype
+        self.mode = mode
         self.paths: dict[str, Path] = {name: Path(p) for name, p in adapters.items()}
+        self.pinned = set(pinned)
         self.slots = SlotPool(weights.num_slots)
         self.host: HostCache[AdapterWeights] = HostCache(max_loaded_loras)
-        self.num_loads = 0
+        self.queue = PrefetchQueue(capacity=max(64, 4 * max_loaded_loras))
+        self.stats = AdapterStats()
+        self.on_cuda = weights.device.type == "cuda"
+        self._stream = torch.cuda.Stream(weights.device) if self.on_cuda else None
+        self._pool = ThreadPoolExecutor(read_workers, thread_name_prefix="lora-read")
+        self._reads: dict[str, Future[AdapterWeights]] = {}
+        self._read_started: dict[str, float] = {}
+        self._failed: dict[str, str] = {}
+        self._pending: dict[int, list[torch.cuda.Event]] = {}  # slot -> per-layer load events
+
+    # -- resolution ---------------------------------------------------------------------------
 
     def resolve(self, name: str) -> Path:
         """The adapter's folder, checked cheaply (config and files). Raises AdapterError."""
         path = self.paths.get(name)
-        if (
-            path is None
-            and self.adapter_root is not None
-            and "/" not in name
-            and name not in (".", "..")
-        ):
+        if path is None and self.adapter_root is not None and _plain_name(name):
             candidate = self.adapter_root / name
             if candidate.is_dir():
                 path = candidate
@@ -60,31 +93,178 @@ class AdapterManager:
         read_adapter_config(path, self.max_lora_rank)
         return path
 
+    def register(self, name: str, path: str | Path, *, pinned: bool = False) -> None:
+        """Add (or replace) an adapter by name. A replaced adapter's old weights are dropped
+        from the host cache; its GPU slot is freed as soon as no running request holds it."""
+        self.resolve_path(path)
+        self.unregister(name)
+        self.paths[name] = Path(path)
+        if pinned:
+            self.pinned.add(name)
+
+    def resolve_path(self, path: str | Path) -> None:
+        read_adapter_config(path, self.max_lora_rank)
+
+    def unregister(self, name: str) -> None:
+        self.paths.pop(name, None)
+        self.pinned.discard(name)
+        self.host.remove(name)
+        self.queue.discard(name)
+        self._failed.pop(name, None)
+        if name in self.slots and self.slots.holds(name) == 0:
+            self.slots.remove(name)
+
+    # -- the scheduler's gate -------------------------------------------------------------------
+
     def is_resident(self, adapter: str) -> bool:
         return adapter in self.slots
 
+    def prepare(self, adapter: str) -> bool:
+        """True when the adapter can be placed in a slot now (on the GPU already, or its weights
+        in host memory). Otherwise starts reading it and returns False. Raises AdapterLoadError
+        when the files turned out unusable."""
+        if adapter in self.slots or adapter in self.host:
+            return True
+        if adapter in self._failed:
+            raise AdapterLoadError(self._failed.pop(adapter))
+        if self.mode == "blocking":
+            self._finish_read(adapter, self._read(adapter))
+            return True
+        self._start_read(adapter)
+        if self._collect(adapter):
+            return True
+        if adapter in self._failed:
+            raise AdapterLoadError(self._failed.pop(adapter))
+        return False
+
     def acquire(self, adapter: str) -> int | None:
-        if adapter not in self.slots:
-            if not self.slots.can_assign():
-                return None
-            weights = self._host_weights(adapter)
-            assignment = self.slots.assign(adapter)
-            if assignment.evicted is not None:
-                logger.debug("adapter %s leaves slot %d", assignment.evicted, assignment.slot)
-            self.weights.write(assignment.slot, weights)
+        if adapter in self.slots:
+            self.stats.hits += 1
+            self.queue.discard(adapter)  # this need is served
+            return self.slots.hold(adapter)
+        if not self.slots.can_assign():
+            return None
+        weights = self.host.get(adapter)
+        if weights is None:  # `prepare` was not called or its read is still running
+            return None
+        self.stats.misses += 1
+        self._upload(adapter, weights, self.slots.assign(adapter, pinned=adapter in self.pinned))
+        self.queue.discard(adapter)
         return self.slots.hold(adapter)
 
     def release(self, adapter: str) -> None:
         self.slots.release(adapter)
+        if adapter not in self.paths and not self._resolvable_under_root(adapter):
+            if self.slots.holds(adapter) == 0:
+                self.slots.remove(adapter)  # unloaded while in use: free once the last one ends
 
-    def _host_weights(self, adapter: str) -> AdapterWeights:
-        weights = self.host.get(adapter)
-        if weights is None:
-            try:
-                path = self.resolve(adapter)
-                weights = load_adapter(adapter, path, self.spec, self.max_lora_rank, self.dtype)
-            except AdapterError as e:
-                raise AdapterLoadError(str(e)) from e
-            self.host.put(adapter, weights)
-            self.num_loads += 1
+    # -- prefetch ---------------------------------------------------------------------------------
+
+    def hint(self, adapter: str, due: float) -> None:
+        """Expect `adapter` to be needed at `due` (time.monotonic seconds)."""
+        if self.mode == "prefetch":
+            self.queue.hint(adapter, due)
+
+    def tick(self, waiting: list[tuple[str, float]], now: float | None = None) -> None:
+        """Once per step, before scheduling: collect finished reads, then (prefetch mode) queue
+        the waiting requests' adapters, start disk reads for the soonest needs and start the GPU
+        loads the plan allows."""
+        for name in list(self._reads):
+            self._collect(name)
+        if self.mode != "prefetch":
+            return
+        now = time.monotonic() if now is None else now
+        self.queue.expire(before=now - HINT_TTL_S)
+        for adapter, due in waiting:
+            self.queue.hint(adapter, due)
+        for adapter, _ in self.queue.ordered()[: self.host.capacity]:
+            known = adapter in self.slots or adapter in self.host or adapter in self._failed
+            if not known:
+                self._start_read(adapter)
+        view = SlotView(
+            free=self.slots.num_free,
+            resident=tuple(self.slots.resident),
+            evictable=frozenset(self.slots.evictable()),
+        )
+        loadable = self.host.__contains__
+        for load in self.queue.plan(view, max_loads=self.slots.num_slots, loadable=loadable):
+            if load.evict is not None:
+                self.slots.remove(load.evict)
+            weights = self.host.get(load.adapter)
+            assignment = self.slots.assign(load.adapter, pinned=load.adapter in self.pinned)
+            self._upload(load.adapter, weights, assignment)
+            self.stats.prefetch_loads += 1
+
+    # -- the forward pass's side ----------------------------------------------------------------
+
+    def layer_waits(self, slots: set[int]) -> list[list[torch.cuda.Event]] | None:
+        """Per layer, the load events the forward pass must wait on before using these slots.
+        Returned once: after this step's forward has waited on them, later work on the compute
+        stream is ordered after the copies."""
+        pending = [self._pending.pop(s) for s in slots if s in self._pending]
+        if not pending:
+            return None
+        return [list(layer) for layer in zip(*pending, strict=True)]
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _upload(self, adapter: str, weights: AdapterWeights, assignment) -> None:
+        slot = assignment.slot
+        self._pending.pop(slot, None)
+        if self._stream is not None:
+            # The slot's previous adapter may still be read by work already enqueued on the
+            # compute stream: the copies start after it.
+            self._stream.wait_stream(torch.cuda.current_stream(self.weights.device))
+        stream = self._stream if self.mode != "blocking" else None
+        events = self.weights.write(slot, weights, stream)
+        if events:
+            self._pending[slot] = events
+        self.stats.gpu_loads += 1
+
+    def _read(self, adapter: str) -> AdapterWeights:
+        start = time.monotonic()
+        try:
+            weights = load_adapter(adapter, self.resolve(adapter), self.spec, self.max_lora_rank,
+                                   self.dtype)
+        except AdapterError as e:
+            raise AdapterLoadError(str(e)) from e
+        if self.on_cuda:
+            weights = weights.pinned()
+        self.stats.read_seconds.append(time.monotonic() - start)
+        del self.stats.read_seconds[:-256]
         return weights
+
+    def _start_read(self, adapter: str) -> None:
+        if adapter not in self._reads:
+            self._reads[adapter] = self._pool.submit(self._read, adapter)
+
+    def _collect(self, adapter: str) -> bool:
+        future = self._reads.get(adapter)
+        if future is None or not future.done():
+            return False
+        del self._reads[adapter]
+        try:
+            weights = future.result()
+        except AdapterLoadError as e:
+            self._failed[adapter] = str(e)
+            self.queue.discard(adapter)
+            return False
+        self._finish_read(adapter, weights)
+        return True
+
+    def _finish_read(self, adapter: str, weights: AdapterWeights) -> None:
+        self.host.put(adapter, weights, pinned=adapter in self.pinned)
+        self.stats.disk_reads += 1
+
+    def _resolvable_under_root(self, name: str) -> bool:
+        return (
+            self.adapter_root is not None and _plain_name(name)
+            and (self.adapter_root / name).is_dir()
+        )
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _plain_name(name: str) -> bool:
+    return "/" not in name and "\\" not in name and name not in ("", ".", "..")

@@ -12,6 +12,7 @@ one being served, so a prefetch never evicts an adapter needed sooner than the o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -62,11 +63,20 @@ class PrefetchQueue:
     def discard(self, adapter: str) -> None:
         self._due.pop(adapter, None)
 
+    def expire(self, before: float) -> None:
+        """Forget hints that were due before `before` (their requests never came)."""
+        for adapter in [a for a, due in self._due.items() if due < before]:
+            del self._due[adapter]
+
     def ordered(self) -> list[tuple[str, float]]:
         return sorted(self._due.items(), key=lambda item: item[1])
 
-    def plan(self, slots: SlotView, max_loads: int) -> list[Load]:
-        """Up to `max_loads` loads to start now, soonest need first."""
+    def plan(
+        self, slots: SlotView, max_loads: int, loadable: Callable[[str], bool] = lambda a: True
+    ) -> list[Load]:
+        """Up to `max_loads` loads to start now, soonest need first. Needs that are not
+        `loadable` yet (weights still on disk) are passed over but still protect their slots
+        from eviction by later needs."""
         loads: list[Load] = []
         free = slots.free
         resident = set(slots.resident)
@@ -76,7 +86,7 @@ class PrefetchQueue:
         for adapter, due in self.ordered():
             if len(loads) >= max_loads:
                 break
-            if adapter in resident:
+            if adapter in resident or not loadable(adapter):
                 continue
             if free > 0:
                 free -= 1

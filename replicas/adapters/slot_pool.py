@@ -10,6 +10,7 @@ Rules:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -57,10 +58,15 @@ class SlotPool:
     def num_held(self) -> int:
         return sum(1 for e in self._entries.values() if e.holds > 0)
 
-    def can_assign(self) -> bool:
-        return bool(self._free) or any(self._evictable())
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
-    def _evictable(self):
+    def can_assign(self) -> bool:
+        return bool(self._free) or any(self.evictable())
+
+    def evictable(self) -> Iterator[str]:
+        """Resident adapters that may be evicted, least recently used first."""
         return (n for n, e in self._entries.items() if e.holds == 0 and not e.pinned)
 
     def assign(self, name: str, *, pinned: bool = False) -> Assignment:
@@ -71,7 +77,7 @@ class SlotPool:
         if self._free:
             slot = self._free.pop()
         else:
-            evicted = next(self._evictable(), None)
+            evicted = next(self.evictable(), None)
             if evicted is None:
                 raise NoFreeSlot(f"all {self.num_slots} adapter slots are in use")
             slot = self._entries.pop(evicted).slot

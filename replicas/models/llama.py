@@ -28,6 +28,8 @@ class StepContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     lora_pool: LoraWeightPool | None
     attention: AttentionFn = torch_paged_attention
+    # Per layer, adapter-load events (on the load stream) to wait on before that layer runs.
+    layer_waits: list[list[torch.cuda.Event]] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -77,6 +79,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         spec = self.spec
         T = x.shape[0]
+        if ctx.layer_waits is not None:  # device-side waits: this layer's adapter weights landed
+            stream = torch.cuda.current_stream(x.device)
+            for event in ctx.layer_waits[self.index]:
+                stream.wait_event(event)
         h = self.input_layernorm(x)
         qkv = self._project(h, self.qkv_proj, "qkv", ctx, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 
@@ -18,16 +20,18 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def run_to_completion(engine: Engine, requests: list[Request], max_steps: int = 2000):
+def run_to_completion(engine: Engine, requests: list[Request], timeout_s: float = 300.0):
     """Add all requests, step until idle; returns request_id -> (tokens, finish_reason)."""
     for r in requests:
         engine.add_request(r)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     reasons: dict[str, str | None] = {}
-    for _ in range(max_steps):
-        if not engine.has_work:
-            break
-        for out in engine.step():
+    deadline = time.monotonic() + timeout_s
+    while engine.has_work and time.monotonic() < deadline:
+        outputs = engine.step()
+        if engine.stalled:
+            time.sleep(0.001)  # only adapter reads are in flight
+        for out in outputs:
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 reasons[out.request_id] = out.finish_reason

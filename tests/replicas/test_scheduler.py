@@ -17,9 +17,15 @@ class FakeGate:
         self.capacity = capacity
         self.holds: dict[str, int] = {}
         self.broken = broken
+        self.still_reading: set[str] = set()
 
     def is_resident(self, adapter: str) -> bool:
         return adapter in self.holds
+
+    def prepare(self, adapter: str) -> bool:
+        if adapter in self.broken:
+            raise AdapterLoadError(f"adapter {adapter} is corrupt")
+        return adapter not in self.still_reading
 
     def acquire(self, adapter: str) -> int | None:
         if adapter in self.broken:
@@ -234,6 +240,7 @@ class TestAdapterAdmission:
 def test_policy_modules_import_without_torch():
     code = (
         "import sys, replicas.scheduler, replicas.kv_cache, replicas.adapters.slot_pool, "
-        "replicas.adapters.host_cache, replicas.adapters.prefetcher; assert 'torch' not in sys.modules, 'torch imported'"
+        "replicas.adapters.host_cache, replicas.adapters.prefetcher; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
