@@ -76,6 +76,14 @@ class AsyncEngine:
             if not finished:
                 self._post("abort", request.request_id)
 
+    async def call(self, fn, *args):
+        """Run `fn(engine, *args)` on the engine thread between steps; returns its result or
+        raises its exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._post("call", (fn, args, loop, future))
+        return await future
+
     def _post(self, kind: str, item: object) -> None:
         self._inbox.put((kind, item))
         self._wake.set()
@@ -107,6 +115,14 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self._add(item)
+            elif kind == "call":
+                fn, args, loop, future = item
+                try:
+                    result = fn(self.engine, *args)
+                except Exception as e:
+                    loop.call_soon_threadsafe(_settle, future, None, e)
+                else:
+                    loop.call_soon_threadsafe(_settle, future, result, None)
             elif kind == "abort":
                 output = self.engine.abort(item)
                 if output is not None:
@@ -149,6 +165,15 @@ class AsyncEngine:
         if stream is None:  # the caller went away; its abort is on the way
             return
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _error_type(status: int) -> str:

@@ -47,17 +47,20 @@ class EngineDeployment:
         }
 
     async def stats(self) -> dict:
-        engine = self.engine.engine
-        return {
-            "num_steps": engine.num_steps,
-            "max_adapters_in_step": engine.max_adapters_in_step,
-            "adapter_loads": engine.adapters.stats.gpu_loads,
-            "resident_adapters": engine.adapters.slots.resident,
-            "num_free_kv_blocks": engine.blocks.num_free,
-            "num_kv_blocks": engine.blocks.num_blocks,
-            "num_running": len(engine.scheduler.running),
-            "num_waiting": len(engine.scheduler.waiting),
-        }
+        return await self.engine.call(_engine_stats)
+
+    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Raises RequestRejected (with `.status`) for a bad adapter or a name in use."""
+        await self.engine.call(Engine.load_adapter, name, path, pinned)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.engine.call(Engine.unload_adapter, name)
+
+    async def adapters(self) -> dict[str, dict]:
+        return await self.engine.call(Engine.adapter_status)
+
+    async def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
+        await self.engine.call(Engine.prefetch_hint, adapter, eta_s)
 
     async def check_health(self) -> None:
         if not self.engine.alive:
@@ -65,3 +68,21 @@ class EngineDeployment:
 
     def __del__(self) -> None:
         self.engine.shutdown()
+
+
+def _engine_stats(engine: Engine) -> dict:
+    stats = engine.adapters.stats
+    return {
+        "num_steps": engine.num_steps,
+        "max_adapters_in_step": engine.max_adapters_in_step,
+        "adapter_disk_reads": stats.disk_reads,
+        "adapter_gpu_loads": stats.gpu_loads,
+        "adapter_prefetch_loads": stats.prefetch_loads,
+        "adapter_hits": stats.hits,
+        "adapter_misses": stats.misses,
+        "resident_adapters": engine.adapters.slots.resident,
+        "num_free_kv_blocks": engine.blocks.num_free,
+        "num_kv_blocks": engine.blocks.num_blocks,
+        "num_running": len(engine.scheduler.running),
+        "num_waiting": len(engine.scheduler.waiting),
+    }

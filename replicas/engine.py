@@ -6,6 +6,7 @@ step = schedule -> run the model -> postprocess (append tokens, finish requests)
 from __future__ import annotations
 
 import logging
+import time
 
 from replicas.adapters.loader import AdapterError
 from replicas.adapters.manager import AdapterManager
@@ -82,6 +83,34 @@ class Engine:
                 raise RequestRejected(str(e), e.status) from e
         self.scheduler.add(request)
 
+    def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Serve a new adapter by name. Raises RequestRejected (400 bad files or name in use)."""
+        try:
+            self.adapters.register(name, path, pinned=pinned)
+        except AdapterError as e:
+            raise RequestRejected(str(e), e.status) from e
+        if pinned:
+            self.adapters.hint(name, time.monotonic())
+
+    def unload_adapter(self, name: str) -> None:
+        """New requests for `name` get 404; queued and running ones finish with it."""
+        try:
+            self.adapters.unregister(name)
+        except AdapterError as e:
+            raise RequestRejected(str(e), e.status) from e
+
+    def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
+        """Someone outside the engine (the router) expects a request for `adapter` in `eta_s`
+        seconds: start bringing it in. Unknown names are ignored."""
+        try:
+            self.adapters.resolve(adapter)
+        except AdapterError:
+            return
+        self.adapters.hint(adapter, time.monotonic() + eta_s)
+
+    def adapter_status(self) -> dict[str, dict]:
+        return self.adapters.status()
+
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
         if request is None:
@@ -90,6 +119,10 @@ class Engine:
         return RequestOutput(request_id, [], request.finish_reason, None, request.num_prompt_tokens)
 
     def step(self) -> list[RequestOutput]:
+        if self.adapters.retired:
+            in_use = {r.adapter for r in self.scheduler.requests()}
+            for name in [n for n in self.adapters.retired if n not in in_use]:
+                self.adapters.forget(name)
         self.adapters.tick(
             [(r.adapter, r.arrival_time) for r in self.scheduler.waiting if r.adapter is not None]
         )

@@ -26,6 +26,13 @@ class HostCache(Generic[V]):
     def __len__(self) -> int:
         return len(self._items)
 
+    def __iter__(self):
+        return iter(list(self._items))
+
+    def peek(self, name: str) -> V | None:
+        """Like `get`, without counting as a use."""
+        return self._items.get(name)
+
     def get(self, name: str) -> V | None:
         value = self._items.get(name)
         if value is not None:

@@ -67,6 +67,8 @@ class AdapterManager:
         self.mode = mode
         self.paths: dict[str, Path] = {name: Path(p) for name, p in adapters.items()}
         self.pinned = set(pinned)
+        self.retired: dict[str, Path] = {}  # unloaded, still used by queued or running requests
+        self.unloaded: set[str] = set()  # names new requests may not use
         self.slots = SlotPool(weights.num_slots)
         self.host: HostCache[AdapterWeights] = HostCache(max_loaded_loras)
         self.queue = PrefetchQueue(capacity=max(64, 4 * max_loaded_loras))
@@ -82,37 +84,61 @@ class AdapterManager:
     # -- resolution ---------------------------------------------------------------------------
 
     def resolve(self, name: str) -> Path:
-        """The adapter's folder, checked cheaply (config and files). Raises AdapterError."""
+        """The folder of an adapter new requests may use, checked cheaply (config and files).
+        Raises AdapterError: 404 for an unknown or unloaded name, 400 for unusable files."""
         path = self.paths.get(name)
-        if path is None and self.adapter_root is not None and _plain_name(name):
-            candidate = self.adapter_root / name
-            if candidate.is_dir():
-                path = candidate
+        if path is None and name not in self.unloaded and self._under_root(name):
+            path = self.adapter_root / name
         if path is None:
             raise AdapterError(f"the model {name!r} does not exist", status=404)
         read_adapter_config(path, self.max_lora_rank)
         return path
 
     def register(self, name: str, path: str | Path, *, pinned: bool = False) -> None:
-        """Add (or replace) an adapter by name. A replaced adapter's old weights are dropped
-        from the host cache; its GPU slot is freed as soon as no running request holds it."""
-        self.resolve_path(path)
-        self.unregister(name)
+        """Serve the adapter at `path` as `name` from now on. Raises AdapterError."""
+        if name in self.paths or name in self.retired:
+            raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
+        read_adapter_config(path, self.max_lora_rank)
         self.paths[name] = Path(path)
+        self.unloaded.discard(name)
         if pinned:
             self.pinned.add(name)
 
-    def resolve_path(self, path: str | Path) -> None:
-        read_adapter_config(path, self.max_lora_rank)
-
     def unregister(self, name: str) -> None:
-        self.paths.pop(name, None)
+        """New requests for `name` get 404 from now on; requests already queued or running
+        finish with it. `forget` drops its weights once no request refers to it."""
+        if name in self.paths:
+            self.retired[name] = self.paths.pop(name)
+        elif name not in self.unloaded and self._under_root(name):
+            self.retired[name] = self.adapter_root / name
+        else:
+            raise AdapterError(f"adapter {name!r} is not loaded", status=404)
+        self.unloaded.add(name)
         self.pinned.discard(name)
-        self.host.remove(name)
         self.queue.discard(name)
+        if name in self.slots:
+            self.slots.set_pinned(name, False)
+
+    def forget(self, name: str) -> None:
+        """Drop a retired adapter's weights (no request refers to it any more)."""
+        self.retired.pop(name, None)
+        self.host.remove(name)
         self._failed.pop(name, None)
         if name in self.slots and self.slots.holds(name) == 0:
             self.slots.remove(name)
+
+    def _path(self, name: str) -> Path:
+        """Where a queued request's adapter lives, retired ones included."""
+        if name in self.retired:
+            return self.retired[name]
+        return self.resolve(name)
+
+    def _under_root(self, name: str) -> bool:
+        return (
+            self.adapter_root is not None
+            and _plain_name(name)
+            and (self.adapter_root / name).is_dir()
+        )
 
     # -- the scheduler's gate -------------------------------------------------------------------
 
@@ -128,7 +154,11 @@ class AdapterManager:
         if adapter in self._failed:
             raise AdapterLoadError(self._failed.pop(adapter))
         if self.mode == "blocking":
-            self._finish_read(adapter, self._read(adapter))
+            try:
+                path = self._path(adapter)
+            except AdapterError as e:
+                raise AdapterLoadError(str(e)) from e
+            self._finish_read(adapter, self._read(adapter, path))
             return True
         self._start_read(adapter)
         if self._collect(adapter):
@@ -154,9 +184,6 @@ class AdapterManager:
 
     def release(self, adapter: str) -> None:
         self.slots.release(adapter)
-        if adapter not in self.paths and not self._resolvable_under_root(adapter):
-            if self.slots.holds(adapter) == 0:
-                self.slots.remove(adapter)  # unloaded while in use: free once the last one ends
 
     # -- prefetch ---------------------------------------------------------------------------------
 
@@ -221,22 +248,24 @@ class AdapterManager:
             self._pending[slot] = events
         self.stats.gpu_loads += 1
 
-    def _read(self, adapter: str) -> AdapterWeights:
-        start = time.monotonic()
+    def _read(self, adapter: str, path: Path) -> AdapterWeights:
+        """Disk -> (pinned) host memory. Runs on a worker thread; touches no shared state."""
         try:
-            weights = load_adapter(adapter, self.resolve(adapter), self.spec, self.max_lora_rank,
-                                   self.dtype)
+            weights = load_adapter(adapter, path, self.spec, self.max_lora_rank, self.dtype)
         except AdapterError as e:
             raise AdapterLoadError(str(e)) from e
-        if self.on_cuda:
-            weights = weights.pinned()
-        self.stats.read_seconds.append(time.monotonic() - start)
-        del self.stats.read_seconds[:-256]
-        return weights
+        return weights.pinned() if self.on_cuda else weights
 
     def _start_read(self, adapter: str) -> None:
-        if adapter not in self._reads:
-            self._reads[adapter] = self._pool.submit(self._read, adapter)
+        if adapter in self._reads:
+            return
+        try:
+            path = self._path(adapter)
+        except AdapterError as e:
+            self._failed[adapter] = str(e)
+            return
+        self._read_started[adapter] = time.monotonic()
+        self._reads[adapter] = self._pool.submit(self._read, adapter, path)
 
     def _collect(self, adapter: str) -> bool:
         future = self._reads.get(adapter)
@@ -247,20 +276,43 @@ class AdapterManager:
             weights = future.result()
         except AdapterLoadError as e:
             self._failed[adapter] = str(e)
+            self._read_started.pop(adapter, None)
             self.queue.discard(adapter)
             return False
         self._finish_read(adapter, weights)
+        self.stats.read_seconds.append(time.monotonic() - self._read_started.pop(adapter))
+        del self.stats.read_seconds[:-256]
         return True
 
     def _finish_read(self, adapter: str, weights: AdapterWeights) -> None:
         self.host.put(adapter, weights, pinned=adapter in self.pinned)
         self.stats.disk_reads += 1
 
-    def _resolvable_under_root(self, name: str) -> bool:
-        return (
-            self.adapter_root is not None and _plain_name(name)
-            and (self.adapter_root / name).is_dir()
-        )
+    def status(self) -> dict[str, dict]:
+        """Every adapter this replica knows and where it is: "gpu", "loading" (disk read or
+        host->GPU copy in flight), "host" or "disk". Not for the hot path (queries events)."""
+        names = set(self.paths) | set(self.retired) | set(self.slots.resident) | set(self.host)
+        names |= set(self._reads)
+        out = {}
+        for name in sorted(names):
+            slot = self.slots.slot_of(name)
+            weights = self.host.peek(name)
+            if slot is not None:
+                events = self._pending.get(slot)
+                tier = "loading" if events and not events[-1].query() else "gpu"
+            elif name in self._reads:
+                tier = "loading"
+            else:
+                tier = "host" if weights is not None else "disk"
+            out[name] = {
+                "tier": tier,
+                "slot": slot,
+                "rank": None if weights is None else weights.rank,
+                "size_bytes": None if weights is None else weights.nbytes,
+                "pinned": name in self.pinned,
+                "unloading": name in self.retired,
+            }
+        return out
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

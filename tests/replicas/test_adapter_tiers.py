@@ -1,0 +1,194 @@
+"""Adapter tiers, loading modes and management, on CPU: outputs still equal PEFT while adapters
+churn through fewer slots than adapters, and no slot is overwritten while a request uses it."""
+
+import time
+
+import pytest
+import torch
+
+from replicas.engine import RequestRejected
+from replicas.lora import LORA_GROUPS
+from replicas.request import Request
+from tests.factories import hf_greedy, make_adapter
+from tests.replicas.conftest import greedy, make_engine, run_to_completion
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 17, 200, 33, 98, 4], [61, 150, 7, 12, 250, 3, 44, 9], [8, 8, 8], [100, 2, 77]]
+
+
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    targets = [["q_proj", "v_proj"], ALL, ["o_proj", "down_proj"], ["k_proj", "up_proj"],
+               ["gate_proj"]]
+    return {
+        f"ad{i}": make_adapter(models["llama"], root / f"ad{i}", rank=2 + 2 * i,
+                               lora_alpha=16, target_modules=targets[i], seed=10 + i)
+        for i in range(5)
+    }
+
+
+def fleet_engine(models, fleet, **kw):
+    return make_engine(models["llama"], adapters=tuple((k, str(v)) for k, v in fleet.items()), **kw)
+
+
+def assert_slots_hold_their_adapters(engine) -> None:
+    """Poison check: every slot held by a running request holds exactly its adapter."""
+    manager, pool = engine.adapters, engine.runner.lora_pool
+    R = pool.max_rank
+    for request in engine.scheduler.running:
+        if request.adapter is None:
+            continue
+        slot = manager.slots.slot_of(request.adapter)
+        assert slot == request.slot, "a running request's adapter left its slot"
+        weights = manager.host.peek(request.adapter)
+        if weights is None:
+            continue
+        for layer in (0, engine.spec.num_layers - 1):
+            for group, targets in LORA_GROUPS.items():
+                a = pool.a[layer][group][slot]
+                for i, target in enumerate(targets):
+                    pair = weights.modules.get((layer, target))
+                    rows = a[i * R : (i + 1) * R]
+                    if pair is None:
+                        assert not rows.any(), f"{target} of slot {slot} should be empty"
+                    else:
+                        r = pair[0].shape[0]
+                        assert torch.equal(rows[:r], pair[0]), f"slot {slot} {target} overwritten"
+                        assert not rows[r:].any()
+
+
+def drive(engine, requests, check=None, timeout_s=300):
+    for r in requests:
+        engine.add_request(r)
+    tokens = {r.request_id: [] for r in requests}
+    deadline = time.monotonic() + timeout_s
+    while engine.has_work and time.monotonic() < deadline:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        if check:
+            check(engine)
+        if engine.stalled:
+            time.sleep(0.001)
+    assert not engine.has_work
+    return tokens
+
+
+@pytest.mark.parametrize("mode", ["blocking", "overlap", "prefetch"])
+def test_churn_through_fewer_slots_matches_peft(models, fleet, mode):
+    engine = fleet_engine(models, fleet, max_loras_per_batch=2, max_loaded_loras=2,
+                          adapter_loading=mode)
+    requests, expected = [], {}
+    for i, prompt in enumerate(PROMPTS):
+        for j, name in enumerate(fleet):
+            rid = f"{name}-{i}"
+            n = 3 + (i + j) % 4
+            requests.append(Request(rid, prompt, greedy(n), name))
+            expected[rid] = hf_greedy(models["llama"], prompt, n, adapter_dir=fleet[name])
+    tokens = drive(engine, requests, check=assert_slots_hold_their_adapters)
+    assert tokens == expected
+    assert engine.adapters.slots.num_held == 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_ready_requests_keep_running_while_a_cold_adapter_loads(models, fleet):
+    engine = fleet_engine(models, fleet, adapter_loading="overlap")
+    manager = engine.adapters
+    real_read = manager._read
+
+    def slow_read(adapter, path):
+        if adapter == "ad1":
+            time.sleep(1.0)
+        return real_read(adapter, path)
+
+    manager._read = slow_read
+    run_to_completion(engine, [Request("warm", PROMPTS[0], greedy(1), "ad0")])  # ad0 resident
+    engine.add_request(Request("cold", PROMPTS[1], greedy(4), "ad1"))
+    engine.add_request(Request("hot", PROMPTS[1], greedy(6), "ad0"))
+    engine.add_request(Request("base", PROMPTS[1], greedy(6)))
+    first_token_step = {}
+    step = 0
+    deadline = time.monotonic() + 60
+    while engine.has_work and time.monotonic() < deadline:
+        step += 1
+        for out in engine.step():
+            if out.new_token_ids:
+                first_token_step.setdefault(out.request_id, step)
+        if engine.stalled:
+            time.sleep(0.001)
+    assert first_token_step["hot"] == first_token_step["base"] == 1
+    assert first_token_step["cold"] > 6  # hot and base finished while ad1 was still reading
+
+
+def test_pinned_adapter_is_never_evicted(models, fleet):
+    engine = fleet_engine(models, fleet, max_loras_per_batch=2, max_loaded_loras=2,
+                          pinned_adapters=("ad0",))
+    run_to_completion(engine, [Request("p", PROMPTS[0], greedy(1), "ad0")])
+    slot = engine.adapters.slots.slot_of("ad0")
+
+    def pinned_stays(e):
+        assert e.adapters.slots.slot_of("ad0") == slot
+
+    requests = [Request(f"{n}-{i}", p, greedy(3), n)
+                for i, p in enumerate(PROMPTS) for n in ("ad1", "ad2", "ad3")]
+    drive(engine, requests, check=pinned_stays)
+    assert engine.adapters.stats.gpu_loads >= 4  # the others churned through the other slot
+
+
+def test_unload_during_use(models, fleet):
+    engine = fleet_engine(models, fleet)
+    engine.add_request(Request("long", PROMPTS[1], greedy(12), "ad2"))
+    tokens = []
+    for _ in range(3):
+        while not (outs := engine.step()) and engine.has_work:
+            time.sleep(0.001)
+        tokens += [t for o in outs for t in o.new_token_ids]
+    engine.unload_adapter("ad2")
+    with pytest.raises(RequestRejected) as e:
+        engine.add_request(Request("new", PROMPTS[0], greedy(2), "ad2"))
+    assert e.value.status == 404
+    while engine.has_work:
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert tokens == hf_greedy(models["llama"], PROMPTS[1], 12, adapter_dir=fleet["ad2"])
+    engine.step()  # the next step drops what the finished request left behind
+    assert "ad2" not in engine.adapter_status()
+    with pytest.raises(RequestRejected):
+        engine.unload_adapter("ad2")
+
+
+def test_load_adapter_at_run_time(models, fleet, tmp_path):
+    engine = make_engine(models["llama"])
+    with pytest.raises(RequestRejected) as e:
+        engine.add_request(Request("x", PROMPTS[0], greedy(2), "late"))
+    assert e.value.status == 404
+    engine.load_adapter("late", str(fleet["ad3"]))
+    with pytest.raises(RequestRejected, match="already loaded"):
+        engine.load_adapter("late", str(fleet["ad3"]))
+    with pytest.raises(RequestRejected, match="does not exist"):
+        engine.load_adapter("nowhere", str(tmp_path / "missing"))
+    out = run_to_completion(engine, [Request("y", PROMPTS[0], greedy(4), "late")])
+    assert out["y"][0] == hf_greedy(models["llama"], PROMPTS[0], 4, adapter_dir=fleet["ad3"])
+
+
+def test_prefetch_hint_brings_the_adapter_in_before_its_request(models, fleet):
+    engine = fleet_engine(models, fleet)
+    engine.prefetch_hint("ad4", eta_s=0.5)
+    engine.prefetch_hint("not-an-adapter")  # ignored
+    deadline = time.monotonic() + 30
+    while engine.adapter_status().get("ad4", {}).get("tier") != "gpu":
+        assert time.monotonic() < deadline
+        engine.step()
+        time.sleep(0.005)
+    assert engine.adapters.stats.prefetch_loads == 1
+    run_to_completion(engine, [Request("r", PROMPTS[0], greedy(2), "ad4")])
+    assert engine.adapters.stats.hits == 1 and engine.adapters.stats.misses == 0
+
+
+def test_status_reports_tiers(models, fleet):
+    engine = fleet_engine(models, fleet, max_loras_per_batch=1, max_loaded_loras=2)
+    run_to_completion(engine, [Request("a", PROMPTS[0], greedy(1), "ad0")])
+    run_to_completion(engine, [Request("b", PROMPTS[0], greedy(1), "ad1")])
+    status = engine.adapter_status()
+    assert status["ad1"]["tier"] == "gpu" and status["ad1"]["rank"] == 4
+    assert status["ad0"]["tier"] == "host" and status["ad0"]["size_bytes"] > 0
+    assert status["ad4"]["tier"] == "disk"
