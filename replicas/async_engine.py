@@ -156,6 +156,7 @@ class AsyncEngine:
                 output.finish_reason,
                 output.num_prompt_tokens,
                 error,
+                output.metrics,
             ),
         )
 
@@ -195,4 +196,5 @@ def _merge(a: GenerateChunk, b: GenerateChunk) -> GenerateChunk:
         b.finish_reason,
         b.num_prompt_tokens or a.num_prompt_tokens,
         b.error,
+        b.metrics,
     )

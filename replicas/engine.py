@@ -81,6 +81,7 @@ class Engine:
                 self.adapters.resolve(request.adapter)
             except AdapterError as e:
                 raise RequestRejected(str(e), e.status) from e
+            request.cold_adapter = not self.adapters.is_resident(request.adapter)
         self.scheduler.add(request)
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
@@ -151,6 +152,10 @@ class Engine:
             if status is not None:
                 self.scheduler.finish(request, status)
                 self.runner.forget(request.request_id)
+            metrics = None
+            if request.is_finished:
+                metrics = {"queue_s": request.queue_s or 0.0,
+                           "adapter_wait_s": request.adapter_wait_s}
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -158,6 +163,7 @@ class Engine:
                     request.finish_reason,
                     None,
                     request.num_prompt_tokens,
+                    metrics,
                 )
             )
         return outputs

@@ -37,6 +37,7 @@ class GenerateChunk:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     num_prompt_tokens: int = 0
     error: EngineError | None = None
+    metrics: dict[str, float] | None = None  # on the last chunk: queue_s, adapter_wait_s
 
     @property
     def finished(self) -> bool:

@@ -72,6 +72,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     slot: int | None = None
     error: str | None = None
+    admitted_at: float | None = None  # first admission (time.monotonic)
+    cold_adapter: bool = False  # its adapter was not in a GPU slot when it arrived
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -108,6 +110,15 @@ class Request:
         return self.status.is_finished
 
     @property
+    def queue_s(self) -> float | None:
+        return None if self.admitted_at is None else self.admitted_at - self.arrival_time
+
+    @property
+    def adapter_wait_s(self) -> float:
+        """Time spent waiting for a cold adapter (its whole queueing time, if it was cold)."""
+        return (self.queue_s or 0.0) if self.cold_adapter else 0.0
+
+    @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
 
@@ -126,6 +137,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    metrics: dict[str, float] | None = None  # on the last output: queue_s, adapter_wait_s
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ Each step mixes decodes and prefill chunks under a token budget:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -165,6 +166,8 @@ class Scheduler:
                 self._release_slot(request)
                 break
             self.waiting.remove(request)
+            if request.admitted_at is None:
+                request.admitted_at = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.seqs.append(ScheduledSeq(request, n))
