@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # local Hugging Face model directory (config.json + safetensors)
+    load_format: str = "safetensors"  # or "dummy": random weights of the right shapes (benchmarks)
     device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto" before the engine is built)
     dtype: str = (
         "auto"  # "auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16", "float16"
@@ -52,6 +53,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.adapter_loading not in ("blocking", "overlap", "prefetch"):
             raise ValueError(f"unknown adapter_loading {self.adapter_loading!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -17,7 +17,7 @@ from replicas.kv_cache import blocks_for
 from replicas.lora import LoraWeightPool
 from replicas.models.llama import StepContext
 from replicas.models.spec import ModelSpec
-from replicas.models.weights import load_model
+from replicas.models.weights import load_model, random_model
 from replicas.sampler import Sampler
 from replicas.scheduler import ScheduledSeq
 from replicas.staging import HostStaging
@@ -66,7 +66,10 @@ class ModelRunner:
         self.spec = spec
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config)
-        self.model = load_model(config.model, spec, self.dtype, self.device, max_model_len)
+        if config.load_format == "dummy":
+            self.model = random_model(spec, self.dtype, self.device, max_model_len, config.seed)
+        else:
+            self.model = load_model(config.model, spec, self.dtype, self.device, max_model_len)
         self.lora_pool = LoraWeightPool(
             spec,
             config.max_loras_per_batch,

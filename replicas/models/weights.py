@@ -27,6 +27,23 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def random_model(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0
+) -> LlamaModel:
+    """A model of the right shapes with random weights: the same FLOPs and bytes as the real
+    checkpoint, for benchmarks (load_format "dummy")."""
+    with torch.device(device):
+        model = LlamaModel(spec, max_positions, dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
 def load_model(
     model_dir: str | Path,
     spec: ModelSpec,

@@ -1,0 +1,309 @@
+"""Adapter churn on one GPU: many adapters over few slots, three loading modes, same workload.
+
+    python benchmarks/bench_churn.py --num-adapters 32 --rank 16 --slots 8 --rate 4 \
+        --popularity distinct,uniform,skewed --modes blocking,overlap,prefetch
+
+The engine runs in-process (no HTTP) with a Llama-3-8B-shaped model of random bf16 weights, so
+the numbers are the engine's own. Requests arrive by a seeded Poisson process; every mode sees
+the same arrivals, prompts, lengths and adapters. Modes:
+  blocking  (A) a request's adapter is copied while the step waits
+  overlap   (B) disk reads and host->GPU copies overlap compute; nothing loads before it is needed
+  prefetch  (C) as B, plus loads ahead of admission, pipelined per layer
+`--resident` adds a reference run where every adapter fits in a slot and is loaded up front:
+churn penalty = TTFT P50 (cold) / TTFT P50 (resident) at the same load.
+Also measures host->GPU adapter copy bandwidth against a plain pinned copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from benchmarks.common import write_results
+from replicas.config import EngineConfig
+from replicas.engine import Engine
+from replicas.models.spec import LORA_TARGETS, ModelSpec
+from replicas.request import Request, SamplingParams
+
+LLAMA3_8B = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "eos_token_id": 128001,
+}
+DISTINCT_FILES = 4  # adapter folders share this many weight files (symlinks) to bound disk use
+
+
+def write_fleet(root: Path, spec: ModelSpec, names: list[str], rank: int) -> dict[str, str]:
+    files = []
+    for k in range(DISTINCT_FILES):
+        g = torch.Generator().manual_seed(k)
+        tensors = {}
+        for layer in range(spec.num_layers):
+            for target in LORA_TARGETS:
+                d_in, d_out = spec.lora_dims(target)
+                parent = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                key = f"base_model.model.model.layers.{layer}.{parent}.{target}"
+                tensors[f"{key}.lora_A.weight"] = (
+                    torch.randn(rank, d_in, generator=g) * 0.01
+                ).bfloat16()
+                tensors[f"{key}.lora_B.weight"] = (
+                    torch.randn(d_out, rank, generator=g) * 0.01
+                ).bfloat16()
+        path = root / f"weights-{k}.safetensors"
+        save_file(tensors, str(path))
+        files.append(path)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+    }
+    out = {}
+    for i, name in enumerate(names):
+        folder = root / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        os.symlink(files[i % DISTINCT_FILES], folder / "adapter_model.safetensors")
+        out[name] = str(folder)
+    return out
+
+
+def popularity(kind: str, n: int, count: int, rng: random.Random) -> list[int]:
+    if kind == "distinct":
+        return [i % n for i in range(count)]
+    if kind == "uniform":
+        return [rng.randrange(n) for _ in range(count)]
+    if kind == "skewed":  # geometric over adapter ranks
+        weights = [0.7**i for i in range(n)]
+        return rng.choices(range(n), weights=weights, k=count)
+    raise ValueError(kind)
+
+
+def workload(args, names: list[str], kind: str):
+    rng = random.Random(args.seed)
+    t, out = 0.0, []
+    picks = popularity(kind, len(names), args.num_requests, rng)
+    for i in range(args.num_requests):
+        t += rng.expovariate(args.rate)
+        n_in = rng.randint(*args.input_len)
+        prompt = [rng.randrange(1000, 100000) for _ in range(n_in)]
+        out.append((t, names[picks[i]], prompt, rng.randint(*args.output_len)))
+    return out
+
+
+def run(engine: Engine, requests) -> dict:
+    start = time.monotonic()
+    pending = list(enumerate(requests))
+    arrival, first, last, count, itl, waits = {}, {}, {}, {}, [], []
+    while pending or engine.has_work:
+        now = time.monotonic() - start
+        while pending and pending[0][1][0] <= now:
+            i, (t, adapter, prompt, n_out) = pending.pop(0)
+            rid = str(i)
+            params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+            engine.add_request(Request(rid, prompt, params, adapter, arrival_time=start + t))
+            arrival[rid] = start + t
+        if not engine.has_work:
+            time.sleep(min(0.001, max(0.0, pending[0][1][0] - now)) if pending else 0)
+            continue
+        outputs = engine.step()
+        stamp = time.monotonic()
+        for o in outputs:
+            if not o.new_token_ids:
+                continue
+            if o.request_id not in first:
+                first[o.request_id] = stamp
+            else:
+                itl.append(stamp - last[o.request_id])
+            last[o.request_id] = stamp
+            count[o.request_id] = count.get(o.request_id, 0) + len(o.new_token_ids)
+            if o.metrics:
+                waits.append(o.metrics["adapter_wait_s"])
+        if engine.stalled:
+            time.sleep(0.0005)
+    elapsed = time.monotonic() - start
+    ttft = [first[r] - arrival[r] for r in first]
+    e2e = [last[r] - arrival[r] for r in last]
+    stats = engine.adapters.stats
+    return {
+        "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": 1000 * float(np.percentile(ttft, 99)),
+        "itl_p50_ms": 1000 * float(np.percentile(itl, 50)),
+        "itl_p99_ms": 1000 * float(np.percentile(itl, 99)),
+        "e2e_p50_s": float(np.percentile(e2e, 50)),
+        "throughput_tok_s": sum(count.values()) / elapsed,
+        "adapter_wait_mean_ms": 1000 * statistics.fmean(waits) if waits else 0.0,
+        "gpu_loads": stats.gpu_loads,
+        "disk_reads": stats.disk_reads,
+        "prefetch_loads": stats.prefetch_loads,
+        "requests": len(first),
+    }
+
+
+def copy_bandwidth(engine: Engine, adapter: str) -> dict:
+    """Host->GPU adapter write on the load stream vs a plain pinned copy of the same bytes."""
+    manager = engine.adapters
+    while not manager.prepare(adapter):
+        time.sleep(0.01)
+    weights = manager.host.peek(adapter)
+    pool = engine.runner.lora_pool
+    stream = torch.cuda.Stream()
+    slot = pool.num_slots - 1
+    for _ in range(2):
+        pool.write(slot, weights, stream)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        events = pool.write(slot, weights, stream)
+    events[-1].synchronize()
+    write_s = (time.perf_counter() - t0) / reps
+    src = torch.empty(weights.nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(weights.nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    plain_s = (time.perf_counter() - t0) / reps
+    return {
+        "adapter_MB": weights.nbytes / 1e6,
+        "write_GBps": weights.nbytes / write_s / 1e9,
+        "pinned_copy_GBps": weights.nbytes / plain_s / 1e9,
+        "ratio": plain_s / write_s,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-adapters", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=4.0)
+    ap.add_argument("--num-requests", type=int, default=120)
+    ap.add_argument("--input-len", type=lambda s: tuple(map(int, s.split(":"))), default=(128, 512))
+    ap.add_argument("--output-len", type=lambda s: tuple(map(int, s.split(":"))), default=(32, 96))
+    ap.add_argument("--popularity", default="distinct,uniform,skewed")
+    ap.add_argument("--modes", default="blocking,overlap,prefetch")
+    ap.add_argument("--resident", action="store_true")
+    ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="churn-"))
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
+    spec = ModelSpec.from_dir(root / "model")
+    names = [f"lora-{i}" for i in range(args.num_adapters)]
+    fleet = write_fleet(root, spec, names, args.rank)
+
+    def engine(mode: str, slots: int) -> Engine:
+        return Engine(
+            EngineConfig(
+                model=str(root / "model"),
+                load_format="dummy",
+                device="cuda",
+                max_loras_per_batch=slots,
+                max_lora_rank=args.rank,
+                max_loaded_loras=args.num_adapters,
+                adapters=tuple(fleet.items()),
+                adapter_loading=mode,
+                num_kv_blocks=args.kv_blocks,
+                max_num_seqs=64,
+                max_model_len=2048,
+            )
+        )
+
+    rows, copy = [], None
+    for kind in args.popularity.split(","):
+        requests = workload(args, names, kind)
+        configs = [(m, args.slots) for m in args.modes.split(",")]
+        if args.resident:
+            configs.append(("resident", args.num_adapters))
+        for mode, slots in configs:
+            e = engine("prefetch" if mode == "resident" else mode, slots)
+            # Every adapter read into host memory first: the runs measure slot churn.
+            for name in names:
+                while not e.adapters.prepare(name):
+                    time.sleep(0.005)
+            if mode == "resident":
+                for name in names:
+                    e.adapters.acquire(name)
+                    e.adapters.release(name)
+                torch.cuda.synchronize()
+            if copy is None:
+                copy = copy_bandwidth(e, names[0])
+                print("copy", copy, flush=True)
+            e.adapters.stats.gpu_loads = e.adapters.stats.prefetch_loads = 0
+            result = run(e, requests)
+            rows.append({"popularity": kind, "mode": mode, **result})
+            print(rows[-1], flush=True)
+            e.adapters.shutdown()
+            del e
+            gc.collect()
+            torch.cuda.empty_cache()
+        base = {r["mode"]: r for r in rows if r["popularity"] == kind}
+        if "blocking" in base and "prefetch" in base:
+            for r in rows:
+                if r["popularity"] == kind:
+                    r["ttft_p50_vs_blocking"] = r["ttft_p50_ms"] / base["blocking"]["ttft_p50_ms"]
+                    r["throughput_vs_blocking"] = (
+                        r["throughput_tok_s"] / base["blocking"]["throughput_tok_s"]
+                    )
+                    if "resident" in base:
+                        r["churn_penalty"] = r["ttft_p50_ms"] / base["resident"]["ttft_p50_ms"]
+    name = args.name or f"churn_{args.num_adapters}x_r{args.rank}"
+    cols = [
+        "popularity",
+        "mode",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "e2e_p50_s",
+        "throughput_tok_s",
+        "adapter_wait_mean_ms",
+        "gpu_loads",
+        "prefetch_loads",
+        "ttft_p50_vs_blocking",
+        "throughput_vs_blocking",
+        "churn_penalty",
+    ]
+    write_results(
+        args.out,
+        name,
+        f"Adapter churn: {args.num_adapters} rank-{args.rank} adapters over {args.slots} slots, "
+        f"Poisson {args.rate} req/s",
+        "modes against blocking loads (A) in the same run; churn penalty against all-resident",
+        cols,
+        rows,
+        {"copy_bandwidth": copy, "args": {k: str(v) for k, v in vars(args).items()}},
+    )
+
+
+if __name__ == "__main__":
+    main()
