@@ -49,3 +49,14 @@ def test_small_token_budget_and_tiny_cache_still_match(models):
     for rid, prompt in prompts.items():
         assert results[rid][0] == hf_greedy(models["llama"], prompt, 8), rid
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_dummy_load_format_needs_only_the_config(models, tmp_path):
+    import shutil
+
+    shutil.copy(models["llama"] / "config.json", tmp_path / "config.json")
+    engine = make_engine(tmp_path, load_format="dummy")
+    results = run_to_completion(engine, [Request("a", PROMPT, greedy(5))])
+    assert len(results["a"][0]) == 5
+    with pytest.raises(FileNotFoundError):
+        make_engine(tmp_path)  # the real format needs the weights
