@@ -98,6 +98,8 @@ BACKENDS: dict[str, tuple[ShrinkFn, ExpandFn]] = {"torch": (torch_shrink, torch_
 
 
 def get_backend(name: str) -> tuple[ShrinkFn, ExpandFn]:
+    if name == "triton" and name not in BACKENDS:
+        import kernels.sgmv_triton  # noqa: F401  (registers itself; needs triton)
     if name not in BACKENDS:
         raise ValueError(f"unknown SGMV backend {name!r}; known: {sorted(BACKENDS)}")
     return BACKENDS[name]

@@ -1,0 +1,416 @@
+"""SGMV LoRA deltas of one Llama-3-8B layer (all seven projections) under CUDA-graph replay,
+against the memory floor and a torch gather-bmm baseline.
+
+    python -m benchmarks.bench_sgmv [--out DIR] [--only decode|prefill] [--breakdown]
+    python -m benchmarks.bench_sgmv --quick    # only the cases behind the design targets
+    python -m benchmarks.bench_sgmv --sweep    # time candidate tilings per group; writes nothing
+    python -m benchmarks.bench_sgmv --smoke     # tiny sizes on CPU, Triton's interpreter
+
+A layer is four shrink + expand pairs: fused q/k/v (4096 -> 4096 + 1024 + 1024), o (4096 -> 4096),
+fused gate/up (4096 -> 2 x 14336) and down (14336 -> 4096), bf16. Tokens are grouped by adapter
+(B tokens over D distinct adapters, B/D tokens each). The pool's max rank is the largest rank in
+the case; every adapter costs its own rank.
+
+Floor = minimal bytes / HBM bandwidth, the bandwidth measured in the same run by a large
+device-to-device copy (read + write). Minimal bytes = each distinct adapter's A and B at its true
+rank, once, plus activations: x read, y read and written. Each graph runs the seven projections
+over several layers' weights in turn (enough to overflow L2), so weights come from HBM.
+
+The baseline gathers every token's A and B at the pool's max rank (A[slot_of_token],
+B[slot_of_token]) and multiplies with torch.bmm, captured in a CUDA graph as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+# group -> (input width, output widths of the fused slices)
+LLAMA3_8B = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+TINY = {"qkv": (64, (64, 16, 16)), "o": (64, (64,)), "gate_up": (64, (96, 96)), "down": (96, (64,))}
+MIXED_RANKS = (8, 16, 32, 64)
+L2_MULTIPLE = 4  # rotate enough layers that their weights are this many times the L2 size
+MAX_LAYERS = 128
+
+
+@dataclass(frozen=True)
+class Case:
+    phase: str  # "decode" or "prefill"
+    seg_lens: tuple[int, ...]  # tokens per distinct adapter
+    ranks: tuple[int, ...]  # true rank per distinct adapter
+    rank_label: str
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seg_lens)
+
+    @property
+    def num_adapters(self) -> int:
+        return len(self.seg_lens)
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks)
+
+
+def cases(only: str | None) -> list[Case]:
+    out = []
+    rank_sets = [(str(r), lambda d, r=r: (r,) * d) for r in (8, 16, 64)]
+    rank_sets.append(("mixed", lambda d: tuple(MIXED_RANKS[i % 4] for i in range(d))))
+    if only in (None, "decode"):
+        for b in (1, 8, 32, 64, 128):
+            for d in sorted({1, 8, b} & set(range(1, b + 1))):
+                for label, ranks in rank_sets:
+                    out.append(Case("decode", (b // d,) * d, ranks(d), label))
+    if only in (None, "prefill"):
+        for label, ranks in rank_sets[1:2] + rank_sets[3:]:
+            out.append(Case("prefill", (512,) * 4, ranks(4), label))
+    return out
+
+
+def minimal_bytes(case: Case, shapes: dict, elem: int = 2) -> int:
+    total = 0
+    for d_in, outs in shapes.values():
+        n, d_out = len(outs), sum(outs)
+        total += sum((n * r * d_in + d_out * r) * elem for r in case.ranks)  # weights, true rank
+        total += case.num_tokens * (d_in + 2 * d_out) * elem  # x in, y in and out
+    return total
+
+
+@dataclass
+class Problem:
+    """`layers` copies of every group's weights, one step's activations and batch metadata."""
+
+    case: Case
+    shapes: dict
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: group -> (A, B)
+    x: dict[str, torch.Tensor]  # group -> [T, d_in]
+    y: dict[str, torch.Tensor]  # group -> [T, d_out]
+    batch: object  # SgmvBatch
+    token_slots: torch.Tensor  # [T] int64, for the baseline
+    token_scale: torch.Tensor  # [T, 1] for the baseline
+    h: dict[str, torch.Tensor] | None = None  # group -> shrink output, for timing the expand
+
+    def offsets(self, group: str) -> tuple[int, ...]:
+        offsets = [0]
+        for w in self.shapes[group][1]:
+            offsets.append(offsets[-1] + w)
+        return tuple(offsets)
+
+
+def make_problem(case: Case, shapes: dict, layers: int, dtype, device) -> Problem:
+    from kernels.sgmv import SgmvBatch
+
+    num_slots, max_rank = case.num_adapters, case.max_rank
+    weights = []
+    for _ in range(layers):
+        layer = {}
+        for group, (d_in, outs) in shapes.items():
+            n = len(outs)
+            a = torch.randn(num_slots, n * max_rank, d_in, device=device, dtype=dtype) * 0.02
+            b = torch.randn(num_slots, sum(outs), max_rank, device=device, dtype=dtype) * 0.02
+            for slot, r in enumerate(case.ranks):  # the contract: zero past the true rank
+                a.view(num_slots, n, max_rank, d_in)[slot, :, r:] = 0
+                b[slot, :, r:] = 0
+            layer[group] = (a, b)
+        weights.append(layer)
+    t = case.num_tokens
+    x = {g: torch.randn(t, d_in, device=device, dtype=dtype) for g, (d_in, _) in shapes.items()}
+    y = {g: torch.randn(t, sum(o), device=device, dtype=dtype) for g, (_, o) in shapes.items()}
+    ends = torch.tensor(case.seg_lens).cumsum(0).tolist()
+    starts = [0, *ends[:-1]]
+    slots = list(range(num_slots))
+    scalings = [2.0 / r for r in case.ranks]
+    i32 = dict(dtype=torch.int32, device=device)
+    batch = SgmvBatch(
+        seg_starts=starts,
+        seg_ends=ends,
+        seg_slots_host=slots,
+        seg_indptr=torch.tensor([0, *ends], **i32),
+        seg_slots=torch.tensor(slots, **i32),
+        slot_ranks=torch.tensor(case.ranks, **i32),
+        slot_scalings=torch.tensor(scalings, dtype=torch.float32, device=device),
+        slot_ranks_host=case.ranks,
+        slot_scalings_host=tuple(scalings),
+        num_tokens=t,
+    )
+    token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(case.seg_lens))
+    token_scale = torch.tensor(scalings)[token_slots].to(device, dtype)[:, None]
+    return Problem(case, shapes, weights, x, y, batch, token_slots.to(device), token_scale)
+
+
+def sgmv_layer(p: Problem, layer: int, groups=None) -> None:
+    from kernels.sgmv_triton import triton_expand, triton_shrink
+
+    for group in groups or p.shapes:
+        a, b = p.weights[layer][group]
+        n = len(p.shapes[group][1])
+        h = triton_shrink(p.x[group], a, p.batch, n)
+        triton_expand(h, b, p.batch, p.y[group], p.offsets(group))
+
+
+def shrink_layer(p: Problem, layer: int, groups=None) -> None:
+    from kernels.sgmv_triton import triton_shrink
+
+    for group in groups or p.shapes:
+        triton_shrink(p.x[group], p.weights[layer][group][0], p.batch, len(p.shapes[group][1]))
+
+
+def expand_layer(p: Problem, layer: int, groups=None) -> None:
+    from kernels.sgmv_triton import triton_expand
+
+    for group in groups or p.shapes:
+        h = p.h[group]
+        triton_expand(h, p.weights[layer][group][1], p.batch, p.y[group], p.offsets(group))
+
+
+def gather_bmm_layer(p: Problem, layer: int, groups=None) -> None:
+    """Per-token gather of the weights at the pool's max rank, then two batched products."""
+    for group in groups or p.shapes:
+        a, b = p.weights[layer][group]
+        n, max_rank = len(p.shapes[group][1]), b.shape[2]
+        h = torch.bmm(a[p.token_slots], p.x[group][:, :, None])  # [T, n*R, 1]
+        b_tok = b[p.token_slots]  # [T, d_out, R]
+        offsets = p.offsets(group)
+        for i in range(n):
+            o0, o1 = offsets[i], offsets[i + 1]
+            delta = torch.bmm(b_tok[:, o0:o1], h[:, i * max_rank : (i + 1) * max_rank])
+            p.y[group][:, o0:o1] += p.token_scale * delta[:, :, 0]
+
+
+def graph_us_per_layer(p: Problem, layer_fn, groups=None, iters: int = 20) -> float:
+    """Capture `layer_fn` over every layer into one CUDA graph; µs per layer over its replays."""
+    from benchmarks.common import time_cuda
+
+    def step():
+        for layer in range(len(p.weights)):
+            layer_fn(p, layer, groups)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and settle allocations (split-K counters included) before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    us = time_cuda(graph.replay, iters=iters, repeats=7, warmup=3) / len(p.weights)
+    del graph
+    return us
+
+
+def check_against_reference(p: Problem) -> float:
+    """Largest relative error of the Triton delta vs the torch reference (float32), layer 0."""
+    from kernels.sgmv import torch_expand, torch_shrink
+    from kernels.sgmv_triton import triton_expand, triton_shrink
+
+    worst = 0.0
+    for group, (_, outs) in p.shapes.items():
+        a, b = p.weights[0][group]
+        x = p.x[group]
+        y = torch.zeros_like(p.y[group])
+        triton_expand(triton_shrink(x, a, p.batch, len(outs)), b, p.batch, y, p.offsets(group))
+        y_ref = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+        h_ref = torch_shrink(x.float(), a.float(), p.batch, len(outs))
+        torch_expand(h_ref, b.float(), p.batch, y_ref, p.offsets(group))
+        err = ((y.float() - y_ref).norm() / y_ref.norm().clamp_min(1e-30)).item()
+        worst = max(worst, err)
+    return worst
+
+
+def layers_for(case: Case, shapes: dict, device) -> int:
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    weight_bytes = minimal_bytes(case, shapes) - minimal_bytes(
+        Case(case.phase, case.seg_lens, (0,) * case.num_adapters, ""), shapes
+    )
+    return max(2, min(MAX_LAYERS, math.ceil(L2_MULTIPLE * l2 / weight_bytes)))
+
+
+def measure(case: Case, bw: float, args: argparse.Namespace) -> dict:
+    device = torch.device("cuda")
+    layers = layers_for(case, LLAMA3_8B, device)
+    p = make_problem(case, LLAMA3_8B, layers, torch.bfloat16, device)
+    err = check_against_reference(p)
+    assert err < 2e-2, f"triton SGMV differs from the reference: {err:.2e}"
+    nbytes = minimal_bytes(case, LLAMA3_8B)
+    us = graph_us_per_layer(p, sgmv_layer)
+    floor_us = nbytes / bw * 1e6
+    row = {
+        "phase": case.phase,
+        "tokens": case.num_tokens,
+        "adapters": case.num_adapters,
+        "ranks": case.rank_label,
+        "layers": layers,
+        "sgmv_us": us,
+        "floor_us": floor_us,
+        "frac_of_floor": floor_us / us,
+        "GBps": nbytes / us / 1e3,
+        "MB": nbytes / 1e6,
+        "rel_err": err,
+    }
+    if not args.no_baseline:
+        row["baseline_us"] = graph_us_per_layer(p, gather_bmm_layer, iters=5)
+        row["speedup"] = row["baseline_us"] / us
+    if args.breakdown:  # per group: (shrink alone, expand alone)
+        from kernels.sgmv_triton import triton_shrink
+
+        p.h = {g: triton_shrink(p.x[g], p.weights[0][g][0], p.batch, len(p.shapes[g][1]))
+               for g in p.shapes}
+        row["groups_us"] = {
+            g: (round(graph_us_per_layer(p, shrink_layer, [g]), 2),
+                round(graph_us_per_layer(p, expand_layer, [g]), 2))
+            for g in p.shapes
+        }
+    print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    del p
+    torch.cuda.empty_cache()
+    return row
+
+
+QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixed rank, prefill
+    Case("decode", (1,), (16,), "16"),
+    Case("decode", (1,) * 8, (16,) * 8, "16"),
+    Case("decode", (1,) * 64, (16,) * 64, "16"),
+    Case("decode", (8,) * 8, (16,) * 8, "16"),
+    Case("decode", (1,) * 64, tuple(MIXED_RANKS[i % 4] for i in range(64)), "mixed"),
+    Case("prefill", (512,) * 4, (16,) * 4, "16"),
+]
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Time shrink alone and expand alone over candidate tilings (one table row at a time) for a
+    few QUICK cases, and a graph of empty kernels (the launch floor); prints, writes nothing."""
+    from dataclasses import replace
+
+    from benchmarks.common import time_cuda
+    from kernels import sgmv_triton
+    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
+
+    noop = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    noop.add_(1)
+    with torch.cuda.graph(graph):
+        for _ in range(100):
+            noop.add_(1)
+    print(f"launch floor: {time_cuda(graph.replay) / 100:.2f} us per tiny kernel in a graph")
+
+    device = torch.device("cuda")
+    for case in (QUICK[0], QUICK[2], QUICK[5]):
+        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
+                         device)
+        p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
+                                            len(p.shapes[g][1])) for g in p.shapes}
+        base_s, base_e = pick(SHRINK_TABLE, case.num_tokens), pick(EXPAND_TABLE, case.num_tokens)
+        shrinks = [replace(base_s, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w)
+                   for bn in (16, 64) for bk, kps in ((128, 256), (256, 256), (256, 512),
+                                                       (512, 512), (256, 1024), (128, 2048))
+                   for w in (4, 8)]
+        expands = [replace(base_e, block_n=bn, num_warps=w, programs_per_sm=pps)
+                   for bn in (64, 128, 256) for w in (4, 8) for pps in (8, 16)]
+        print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
+        for group in ("qkv", "down"):
+            for t in shrinks:
+                sgmv_triton.SHRINK_TABLE = ((None, t),)
+                us = graph_us_per_layer(p, shrink_layer, [group])
+                print(f"shrink {group} {t} {us:.2f}", flush=True)
+            sgmv_triton.SHRINK_TABLE = SHRINK_TABLE
+        for group in ("qkv", "gate_up"):
+            for t in expands:
+                sgmv_triton.EXPAND_TABLE = ((None, t),)
+                us = graph_us_per_layer(p, expand_layer, [group])
+                print(f"expand {group} {t} {us:.2f}", flush=True)
+            sgmv_triton.EXPAND_TABLE = EXPAND_TABLE
+        del p
+        torch.cuda.empty_cache()
+
+
+def run_gpu(args: argparse.Namespace) -> None:
+    from benchmarks.common import hbm_bandwidth, write_results
+
+    torch.manual_seed(0)
+    if args.sweep:
+        sweep(args)
+        return
+    bw = hbm_bandwidth()
+    print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
+    rows = [measure(case, bw, args) for case in (QUICK if args.quick else cases(args.only))]
+    path = write_results(
+        args.out,
+        "sgmv",
+        "SGMV LoRA, one Llama-3-8B layer (q/k/v, o, gate/up, down), bf16, CUDA-graph replay",
+        "µs per layer for all seven projections; floor = minimal bytes (weights once per distinct "
+        "adapter at its true rank + x in, y in/out) / HBM bandwidth; frac_of_floor = floor / "
+        "measured; baseline = torch gather + bmm at the pool's max rank, also graph-replayed",
+        ["phase", "tokens", "adapters", "ranks", "sgmv_us", "floor_us", "frac_of_floor", "GBps",
+         "baseline_us", "speedup"],
+        rows,
+        {"hbm_bandwidth_TBps": round(bw / 1e12, 3)},
+    )
+    print(f"wrote {path}")
+
+
+def run_smoke(args: argparse.Namespace) -> None:
+    """Tiny sizes on CPU through the interpreter: the kernels agree with the reference and the
+    benchmark's plumbing runs; the times say nothing about a GPU."""
+    torch.manual_seed(0)
+    rows = []
+    smoke_cases = [
+        Case("decode", (1, 1, 1), (8, 16, 4), "mixed"),
+        Case("decode", (4,), (16,), "16"),
+        Case("prefill", (9, 7), (16, 8), "mixed"),
+    ]
+    for case in smoke_cases:
+        p = make_problem(case, TINY, 2, torch.float32, torch.device("cpu"))
+        err = check_against_reference(p)
+        assert err < 1e-4, f"triton SGMV differs from the reference: {err:.2e}"
+        start = time.perf_counter()
+        sgmv_layer(p, 1)
+        ms = (time.perf_counter() - start) * 1e3
+        gather_bmm_layer(p, 1)
+        rows.append({"phase": case.phase, "tokens": case.num_tokens,
+                     "adapters": case.num_adapters, "ranks": case.rank_label,
+                     "MB": minimal_bytes(case, TINY, 4) / 1e6, "interpreter_ms": ms,
+                     "rel_err": err})
+        print(rows[-1], flush=True)
+    if args.out:
+        from benchmarks.common import write_results
+
+        write_results(args.out, "sgmv_smoke", "SGMV LoRA, smoke (CPU, Triton interpreter)",
+                      "correctness and plumbing only",
+                      ["phase", "tokens", "adapters", "ranks", "MB", "interpreter_ms", "rel_err"],
+                      rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["decode", "prefill"], default=None)
+    ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
+    ap.add_argument("--breakdown", action="store_true", help="also time each group alone")
+    ap.add_argument("--sweep", action="store_true", help="time candidate tilings; writes nothing")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
+    ap.add_argument("--out", default=None,
+                    help="results folder (default benchmarks/results on GPU; none in --smoke)")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        run_smoke(args)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU; use --smoke to check the plumbing on CPU")
+    args.out = args.out or "benchmarks/results"
+    run_gpu(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+"""SGMV shrink and expand in Triton (contract and torch reference: kernels/sgmv.py).
+
+Both kernels are persistent: the grid is a static bound (`programs_per_sm` x SMs, or fewer when
+the batch is small), and every program strides over a work list whose length it computes from the
+device metadata. The work list is made of token tiles: segment s owns ceil(len_s / BLOCK_M) tiles,
+numbered in segment order (a prefix sum over `seg_indptr`, computed by every program in its
+prologue). Base-model tokens belong to no segment, so they own no tile and cost nothing; padding
+segments of length 0 own no tile either. The grid depends only on static shapes (token count,
+segment count, widths, SM count), never on device values, so a launch can be captured in a CUDA
+graph and replayed over new metadata. The launchers never read device tensors.
+
+Shrink, h[t, i*R + r] = x[t] . A[slot, i*R + r]: a work item is (tile, column block over the
+n*R fused columns, K split). Columns whose rank index r is past the slot's true rank are masked
+out of every load, so a rank-8 slot reads 8 rows of A per slice, not R; a column block with no
+live column writes zeros and reads nothing. With split-K, each split writes a float32 partial;
+the split that arrives last (an arrival counter per tile and column block) sums all partials in
+split order and writes h. The counter only elects the reducer: the sum is the same fixed-order
+sum whichever split finishes last, so results are deterministic and no atomic touches a value.
+The reducer resets its counter to 0, so counters are zero between launches.
+
+Expand, y[t, o_i + c] += scale * h[t, i*R : i*R + rank] . B[slot, o_i + c, :rank]: a work item
+is (tile, column block); column blocks never cross a slice boundary, so slices of different
+widths (GQA q/k/v) are one launch. The rank loop stops at the slot's true rank. Each y element is
+read, updated and written by exactly one program: deterministic, no atomics.
+
+Rows of h for tokens outside every segment are unspecified (never written); the expand never
+reads them and never touches those rows of y. Inputs are float32, float16 or bfloat16;
+accumulation is float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.sgmv import BACKENDS, SgmvBatch
+from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
+
+MAX_SLICES = 4
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETER_SMS = 1  # CPU (Triton's interpreter): few programs, each striding over many items
+_LOCK_MIN = 1 << 16  # int32 arrival counters allocated at first use, per device
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _segment_table(
+    seg_indptr_ptr,
+    seg_slots_ptr,
+    num_segments,
+    BLOCK_S: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Per segment [BLOCK_S]: start, end, slot, tiles and the inclusive prefix sum of tiles.
+    Loaded once per program, so finding a tile's segment later costs no memory access."""
+    s = tl.arange(0, BLOCK_S)
+    live = s < num_segments
+    starts = tl.load(seg_indptr_ptr + s, mask=live, other=0)
+    ends = tl.load(seg_indptr_ptr + s + 1, mask=live, other=0)
+    slots = tl.load(seg_slots_ptr + s, mask=live, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    return starts, ends, slots, tiles, tl.cumsum(tiles, axis=0)
+
+
+@triton.jit
+def _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M: tl.constexpr):
+    """Tile j's first row, its segment's end row, and the segment's slot."""
+    owner = (tiles_incl > j) & (tiles_incl - tiles <= j)  # one segment; empty ones never match
+    start, end, slot, before = tl.reduce(
+        (
+            tl.where(owner, starts, 0),
+            tl.where(owner, ends, 0),
+            tl.where(owner, slots, 0),
+            tl.where(owner, tiles_incl - tiles, 0),
+        ),
+        0,
+        _add4,
+    )
+    return start + (j - before) * BLOCK_M, end, slot
+
+
+@triton.jit
+def _slot_value(slot, slot_ids, values):
+    """values[slot] for a table held in registers (slot_ids = arange over the slots)."""
+    return tl.sum(tl.where(slot_ids == slot, values, 0), axis=0)
+
+
+@triton.jit
+def _product(u, v, acc, PRECISION: tl.constexpr):
+    """acc [M, N] + u [M, K] @ v [N, K]^T in float32. Tensor cores need M >= 16; a decode tile of
+    one or a few tokens is a matrix-vector product instead, with no rows wasted on padding."""
+    if u.shape[0] >= 16:
+        return tl.dot(u, tl.trans(v), acc, input_precision=PRECISION)
+    return acc + tl.sum(u.to(tl.float32)[:, None, :] * v.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    x_ptr,  # [T, K]
+    a_ptr,  # [num_slots, NUM_COLS, K]
+    h_ptr,  # [T, NUM_COLS]
+    part_ptr,  # [SPLIT_K, T, NUM_COLS] float32 (split-K partials)
+    lock_ptr,  # [>= bound_tiles * NUM_CB] int32, zero between launches
+    seg_indptr_ptr,
+    seg_slots_ptr,
+    slot_ranks_ptr,
+    num_segments,
+    num_slots,
+    num_tokens,
+    K,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_ht,
+    MAX_RANK: tl.constexpr,
+    NUM_COLS: tl.constexpr,
+    NUM_CB: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    starts, ends, slots, tiles, tiles_incl = _segment_table(
+        seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S, BLOCK_M
+    )
+    slot_ids = tl.arange(0, BLOCK_SLOTS)
+    slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_ids < num_slots, other=0)
+    num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        ks = item % SPLIT_K
+        cb = (item // SPLIT_K) % NUM_CB
+        j = item // (SPLIT_K * NUM_CB)
+        first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M)
+        rank = _slot_value(slot, slot_ids, slot_ranks)
+        slot = slot.to(tl.int64)
+        rows = (first_row + offs_m).to(tl.int64)
+        row_mask = rows < end_row
+        cols = cb * BLOCK_N + offs_n
+        col_in = cols < NUM_COLS
+        col_live = col_in & ((cols % MAX_RANK) < rank)  # rank index within its slice
+        out_mask = row_mask[:, None] & col_in[None, :]
+        h_ptrs = h_ptr + rows[:, None] * stride_ht + cols[None, :]
+
+        if tl.sum(col_live.to(tl.int32), axis=0) > 0:
+            k_lo = ks * K_PER_SPLIT
+            k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+            x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
+            a_ptrs = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_k[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                if EVEN_K:
+                    xv = tl.load(x_ptrs + k0, mask=row_mask[:, None], other=0.0)
+                    av = tl.load(a_ptrs + k0, mask=col_live[:, None], other=0.0)
+                else:
+                    k_in = (k0 + offs_k) < K
+                    xv = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_in[None, :], other=0.0)
+                    av = tl.load(a_ptrs + k0, mask=col_live[:, None] & k_in[None, :], other=0.0)
+                acc = _product(xv, av, acc, PRECISION)
+
+            if SPLIT_K == 1:
+                tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                part_rows = rows[:, None] * NUM_COLS + cols[None, :]
+                split_stride = num_tokens * NUM_COLS
+                tl.store(part_ptr + ks * split_stride + part_rows, acc, mask=out_mask)
+                # Every thread's partial is stored before the (release) arrival is counted.
+                tl.debug_barrier()
+                lock = lock_ptr + j * NUM_CB + cb
+                arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT_K - 1:  # last split: sum all partials in split order
+                    tl.debug_barrier()
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in range(SPLIT_K):
+                        total += tl.load(
+                            part_ptr + s * split_stride + part_rows,
+                            mask=out_mask,
+                            other=0.0,
+                            cache_modifier=".cg",  # from L2: other SMs wrote these
+                        )
+                    tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
+                    tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+        elif ks == 0:  # every column past the slot's rank: zeros, no weights read
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
+            tl.store(h_ptrs, zeros, mask=out_mask)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    h_ptr,  # [T, NUM_SLICES * MAX_RANK]
+    b_ptr,  # [num_slots, O_4, MAX_RANK]
+    y_ptr,  # [T, O_4]
+    seg_indptr_ptr,
+    seg_slots_ptr,
+    slot_ranks_ptr,
+    slot_scalings_ptr,
+    num_segments,
+    num_slots,
+    stride_ht,
+    stride_bs,
+    stride_bn,
+    stride_yt,
+    MAX_RANK: tl.constexpr,
+    O_1: tl.constexpr,  # slice i owns output columns [O_i, O_{i+1}); O_0 = 0
+    O_2: tl.constexpr,  # slices past NUM_SLICES have O_i = the total width (empty)
+    O_3: tl.constexpr,
+    O_4: tl.constexpr,
+    NB_1: tl.constexpr,  # slice i owns column blocks [NB_i, NB_{i+1}); NB_0 = 0
+    NB_2: tl.constexpr,
+    NB_3: tl.constexpr,
+    NUM_NB: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    NUM_RB: tl.constexpr,  # rank blocks covering MAX_RANK
+    PRECISION: tl.constexpr,
+):
+    starts, ends, slots, tiles, tiles_incl = _segment_table(
+        seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S, BLOCK_M
+    )
+    slot_ids = tl.arange(0, BLOCK_SLOTS)
+    slot_live = slot_ids < num_slots
+    slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_live, other=0)
+    slot_scales = tl.load(slot_scalings_ptr + slot_ids, mask=slot_live, other=0.0)
+    num_items = tl.sum(tiles, axis=0) * NUM_NB
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        nb = item % NUM_NB
+        j = item // NUM_NB
+        first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M)
+        rank = _slot_value(slot, slot_ids, slot_ranks)
+        if rank > 0:
+            scale = _slot_value(slot, slot_ids, slot_scales)
+            sl = (nb >= NB_1).to(tl.int32) + (nb >= NB_2).to(tl.int32) + (nb >= NB_3).to(tl.int32)
+            o_lo = tl.where(sl == 0, 0, tl.where(sl == 1, O_1, tl.where(sl == 2, O_2, O_3)))
+            o_hi = tl.where(sl == 0, O_1, tl.where(sl == 1, O_2, tl.where(sl == 2, O_3, O_4)))
+            nb_lo = tl.where(sl == 0, 0, tl.where(sl == 1, NB_1, tl.where(sl == 2, NB_2, NB_3)))
+            cols = o_lo + (nb - nb_lo) * BLOCK_N + offs_n
+            col_mask = cols < o_hi
+            rows = (first_row + offs_m).to(tl.int64)
+            row_mask = rows < end_row
+
+            # Every load of the item is issued before the first product needs one.
+            y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
+            y_mask = row_mask[:, None] & col_mask[None, :]
+            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            h_ptrs = h_ptr + rows[:, None] * stride_ht + (sl * MAX_RANK + offs_r)[None, :]
+            b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn
+            b_ptrs += offs_r[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
+                r_in = (rb * BLOCK_R + offs_r) < rank
+                hv = tl.load(h_ptrs + rb * BLOCK_R, mask=row_mask[:, None] & r_in[None, :],
+                             other=0.0)
+                bv = tl.load(b_ptrs + rb * BLOCK_R, mask=col_mask[:, None] & r_in[None, :],
+                             other=0.0)
+                acc = _product(hv, bv, acc, PRECISION)
+            out = yv.to(tl.float32) + scale * acc
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def triton_shrink(
+    x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
+) -> torch.Tensor:
+    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] (base-model rows unspecified)."""
+    num_tokens, hidden = x.shape
+    num_cols = a.shape[1]
+    assert a.dim() == 3 and a.shape[2] == hidden, f"a {tuple(a.shape)} vs x {tuple(x.shape)}"
+    assert num_slices >= 1 and num_cols % num_slices == 0
+    max_rank = num_cols // num_slices
+    assert x.dtype == a.dtype and x.dtype in DTYPES, f"{x.dtype} / {a.dtype}"
+    assert x.stride(1) == 1 and a.stride(2) == 1, "the hidden dimension must be contiguous"
+    _check_batch(batch, num_tokens, x.device)
+
+    h = x.new_empty(num_tokens, num_cols)
+    num_segments = batch.num_segments
+    if num_segments == 0:
+        return h
+
+    t = pick(SHRINK_TABLE, num_tokens)
+    block_n = min(t.block_n, _pow2_at_least_16(num_cols))
+    block_k = min(t.block_k, _pow2_at_least_16(hidden))
+    k_per_split = triton.cdiv(min(t.k_per_split, hidden), block_k) * block_k
+    split_k = triton.cdiv(hidden, k_per_split)
+    num_cb = triton.cdiv(num_cols, block_n)
+    bound_tiles = triton.cdiv(num_tokens, t.block_m) + num_segments
+    if split_k > 1:
+        part = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
+        locks = _locks(x.device, bound_tiles * num_cb)
+    else:  # unused by the kernel
+        part, locks = h, batch.seg_slots
+    grid = (min(bound_tiles * num_cb * split_k, _num_sms(x.device) * t.programs_per_sm),)
+    _sgmv_shrink_kernel[grid](
+        x, a, h, part, locks,
+        batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
+        num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
+        x.stride(0), a.stride(0), a.stride(1), h.stride(0),
+        MAX_RANK=max_rank,
+        NUM_COLS=num_cols,
+        NUM_CB=num_cb,
+        BLOCK_S=_pow2_at_least_16(num_segments),
+        BLOCK_SLOTS=_pow2_at_least_16(batch.slot_ranks.shape[0]),
+        BLOCK_M=t.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        K_PER_SPLIT=k_per_split,
+        SPLIT_K=split_k,
+        EVEN_K=hidden % block_k == 0,
+        PRECISION=_precision(x.dtype),
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    return h
+
+
+def triton_expand(
+    h: torch.Tensor,
+    b: torch.Tensor,
+    batch: SgmvBatch,
+    y: torch.Tensor,
+    out_offsets: tuple[int, ...],
+) -> None:
+    """h: [T, n*R]; b: [num_slots, sum(out_i), R]; y: [T, sum(out_i)] updated in place."""
+    num_slices = len(out_offsets) - 1
+    num_tokens, width = y.shape
+    max_rank = b.shape[2]
+    assert 1 <= num_slices <= MAX_SLICES, f"{num_slices} slices (at most {MAX_SLICES})"
+    assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[1]
+    assert all(lo < hi for lo, hi in zip(out_offsets, out_offsets[1:], strict=False))
+    assert h.shape == (num_tokens, num_slices * max_rank), f"h {tuple(h.shape)}"
+    assert h.dtype == b.dtype == y.dtype and y.dtype in DTYPES, f"{h.dtype}/{b.dtype}/{y.dtype}"
+    assert h.stride(1) == 1 and b.stride(2) == 1 and y.stride(1) == 1, "last dims contiguous"
+    _check_batch(batch, num_tokens, y.device)
+    num_segments = batch.num_segments
+    if num_segments == 0:
+        return
+
+    t = pick(EXPAND_TABLE, num_tokens)
+    widths = [hi - lo for lo, hi in zip(out_offsets, out_offsets[1:], strict=False)]
+    block_n = min(t.block_n, _pow2_at_least_16(max(widths)))
+    block_r = min(t.block_r, _pow2_at_least_16(max_rank))
+    offsets = list(out_offsets[1:]) + [width] * (MAX_SLICES - num_slices)
+    first_blocks = [0]
+    for w in widths:
+        first_blocks.append(first_blocks[-1] + triton.cdiv(w, block_n))
+    num_nb = first_blocks[-1]
+    first_blocks += [num_nb] * (MAX_SLICES + 1 - len(first_blocks))
+    bound_tiles = triton.cdiv(num_tokens, t.block_m) + num_segments
+    grid = (min(bound_tiles * num_nb, _num_sms(y.device) * t.programs_per_sm),)
+    num_slots = batch.slot_ranks.shape[0]
+    _sgmv_expand_kernel[grid](
+        h, b, y,
+        batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
+        num_segments, num_slots,
+        h.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        MAX_RANK=max_rank,
+        O_1=offsets[0],
+        O_2=offsets[1],
+        O_3=offsets[2],
+        O_4=offsets[3],
+        NB_1=first_blocks[1],
+        NB_2=first_blocks[2],
+        NB_3=first_blocks[3],
+        NUM_NB=num_nb,
+        BLOCK_S=_pow2_at_least_16(num_segments),
+        BLOCK_SLOTS=_pow2_at_least_16(num_slots),
+        BLOCK_M=t.block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        NUM_RB=triton.cdiv(max_rank, block_r),
+        PRECISION=_precision(y.dtype),
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+
+
+def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> None:
+    s = batch.num_segments
+    assert batch.num_tokens <= num_tokens, f"batch has {batch.num_tokens} tokens, x {num_tokens}"
+    assert batch.seg_indptr.shape == (s + 1,) and batch.seg_slots.shape == (s,)
+    assert batch.seg_indptr.dtype == batch.seg_slots.dtype == batch.slot_ranks.dtype == torch.int32
+    assert batch.slot_scalings.dtype == torch.float32
+    for t in (batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings):
+        assert t.device == device and t.is_contiguous(), "metadata must be contiguous on the device"
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # float32 must not round through tf32
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_lock_buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _locks(device: torch.device, needed: int) -> torch.Tensor:
+    """Split-K arrival counters, zero between launches. Buffers are never freed: a captured CUDA
+    graph keeps the address it was captured with. Grow one before capture (warm-up) if needed."""
+    buffers = _lock_buffers.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "SGMV split-K counters must grow during CUDA-graph capture; run the largest "
+                "shape once before capturing"
+            )
+        buffers.append(torch.zeros(max(needed, _LOCK_MIN), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+BACKENDS["triton"] = (triton_shrink, triton_expand)

@@ -1,0 +1,422 @@
+"""Triton SGMV against the torch reference, and the torch reference against a per-token loop.
+
+Without a GPU the kernels run in Triton's interpreter (float32, tiny sizes); with one, the same
+sweeps run compiled, and the `gpu` tests add bf16 at Llama-3-8B widths, CUDA-graph replay over new
+metadata, and repeated split-K launches that must agree bit for bit.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
+
+import pytest  # noqa: E402
+
+from kernels.sgmv import SgmvBatch, get_backend, torch_expand, torch_shrink  # noqa: E402
+
+try:
+    from kernels import sgmv_triton
+    from kernels.sgmv_tuning import NO_SPLIT, ExpandTiling, ShrinkTiling
+except ImportError:  # no triton: only the reference tests run
+    sgmv_triton = None
+
+needs_triton = pytest.mark.skipif(sgmv_triton is None, reason="triton is not importable")
+
+EMPTY_SLOT = 0  # every pool below keeps slot 0 empty (rank 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One projection group: `hidden` inputs, fused slices of widths `outs`."""
+
+    hidden: int
+    outs: tuple[int, ...]
+
+    @property
+    def out_offsets(self) -> tuple[int, ...]:
+        offsets = [0]
+        for w in self.outs:
+            offsets.append(offsets[-1] + w)
+        return tuple(offsets)
+
+
+LAYOUTS = {
+    "qkv_gqa": Layout(72, (48, 16, 16)),  # q wider than k and v; hidden not a power of two
+    "gate_up": Layout(40, (56, 56)),
+    "single": Layout(100, (24,)),  # o/down: one slice
+}
+
+# runs: (tokens, slot) in token order, slot None = base-model tokens; ranks: per slot (slot 0
+# empty); the pool's max rank.
+BATCHES = {
+    "one_token": ([(1, 1)], [0, 16], 16),
+    "base_interleaved": ([(2, None), (3, 1), (2, None), (4, 2), (1, None)], [0, 8, 16], 16),
+    "ranks_1_3_8_16": ([(2, 1), (1, 2), (3, 3), (2, 4)], [0, 1, 3, 8, 16], 16),
+    "slot_in_two_segments": ([(3, 1), (2, 2), (4, 1)], [0, 5, 16], 16),
+    "long_segments": ([(37, 1), (5, 2), (18, 3)], [0, 16, 4, 11], 16),
+    "decode_distinct": ([(1, 1 + i % 5) for i in range(11)], [0, 2, 16, 7, 1, 12], 16),
+    "rank_loop_r32": ([(3, 1), (2, 2), (4, 3)], [0, 32, 20, 9], 32),
+}
+
+
+def small_tiles() -> tuple:
+    """Forces split-K over an uneven hidden size, several column blocks per slice and a rank loop
+    of several steps, on the small shapes above."""
+    return (
+        ((None, ShrinkTiling(16, 16, 16, 48, num_warps=4, num_stages=2, programs_per_sm=3)),),
+        ((None, ExpandTiling(16, 16, 16, num_warps=4, num_stages=2, programs_per_sm=3)),),
+    )
+
+
+def wide_tiles() -> tuple:
+    """Prefill-style: 32-token tiles, one column block spanning the fused slices, no split-K."""
+    return (
+        ((None, ShrinkTiling(32, 64, 32, NO_SPLIT, num_warps=4, num_stages=2, programs_per_sm=2)),),
+        ((None, ExpandTiling(32, 64, 32, num_warps=4, num_stages=2, programs_per_sm=2)),),
+    )
+
+
+def vector_tiles() -> tuple:
+    """Decode-style tiles of one and two tokens (matrix-vector products, no tensor cores), narrow
+    column blocks, and split-K."""
+    return (
+        ((None, ShrinkTiling(1, 4, 32, 64, num_warps=4, num_stages=1, programs_per_sm=3)),),
+        ((None, ExpandTiling(2, 32, 16, num_warps=4, num_stages=1, programs_per_sm=3)),),
+    )
+
+
+TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles}
+
+
+@pytest.fixture(params=["default", *TILINGS])
+def tiling(request, monkeypatch):
+    if sgmv_triton is None:
+        pytest.skip("triton is not importable")
+    if request.param != "default":
+        shrink, expand = TILINGS[request.param]()
+        monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
+        monkeypatch.setattr(sgmv_triton, "EXPAND_TABLE", expand)
+    return request.param
+
+
+def make_batch(
+    runs: list[tuple[int, int | None]], ranks: list[int], device=DEVICE, seed: int = 0
+) -> SgmvBatch:
+    """Base tokens before the first segment start seg_indptr past 0, those after the last are
+    outside every segment, and those in between form a segment on the empty slot."""
+    g = torch.Generator().manual_seed(seed + 1)
+    scalings = (torch.rand(len(ranks), generator=g) * 2 + 0.25).tolist()
+    while runs and runs[-1][1] is None:
+        runs = runs[:-1]
+    lead = runs[0][0] if runs and runs[0][1] is None else 0
+    starts, ends, slots, pos = [], [], [], lead
+    for n, slot in runs[1:] if lead else runs:
+        starts.append(pos)
+        pos += n
+        ends.append(pos)
+        slots.append(EMPTY_SLOT if slot is None else slot)
+    return batch_from_tables(starts, ends, slots, ranks, scalings, device)
+
+
+def batch_from_tables(starts, ends, slots, ranks, scalings, device=DEVICE, num_tokens=None):
+    i32 = dict(dtype=torch.int32, device=device)
+    return SgmvBatch(
+        seg_starts=list(starts),
+        seg_ends=list(ends),
+        seg_slots_host=list(slots),
+        seg_indptr=torch.tensor([starts[0] if starts else 0, *ends], **i32),
+        seg_slots=torch.tensor(slots, **i32),
+        slot_ranks=torch.tensor(ranks, **i32),
+        slot_scalings=torch.tensor(scalings, dtype=torch.float32, device=device),
+        slot_ranks_host=tuple(ranks),
+        slot_scalings_host=tuple(scalings),
+        num_tokens=num_tokens if num_tokens is not None else (ends[-1] if ends else 0),
+    )
+
+
+def make_weights(layout: Layout, ranks: list[int], max_rank: int, dtype=torch.float32, seed=0):
+    """A [slots, n*R, hidden] and B [slots, sum(outs), R], zero past each slot's rank."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(layout.outs)
+    a = torch.randn(len(ranks), n * max_rank, layout.hidden, generator=g) / layout.hidden**0.5
+    b = torch.randn(len(ranks), sum(layout.outs), max_rank, generator=g) / max_rank**0.5
+    for slot, r in enumerate(ranks):
+        a.view(len(ranks), n, max_rank, -1)[slot, :, r:] = 0
+        b[slot, :, r:] = 0
+    return a.to(DEVICE, dtype), b.to(DEVICE, dtype)
+
+
+def segment_rows(batch: SgmvBatch, num_tokens: int) -> torch.Tensor:
+    inside = torch.zeros(num_tokens, dtype=torch.bool)
+    for s, e in zip(batch.seg_starts, batch.seg_ends, strict=True):
+        inside[s:e] = True
+    return inside.to(DEVICE)
+
+
+def poison_unread(h: torch.Tensor, batch: SgmvBatch, max_rank: int) -> torch.Tensor:
+    """NaN wherever the expand must not read h: base-model rows and columns past a slot's rank."""
+    h = h.clone()
+    h[~segment_rows(batch, h.shape[0])] = float("nan")
+    n = h.shape[1] // max_rank
+    for s, e, slot in zip(batch.seg_starts, batch.seg_ends, batch.seg_slots_host, strict=True):
+        h[s:e].view(e - s, n, max_rank)[:, :, batch.slot_ranks_host[slot] :] = float("nan")
+    return h
+
+
+def poison_past_rank(a: torch.Tensor, b: torch.Tensor, ranks: list[int], n: int):
+    """NaN in the weights past each slot's rank: the kernels must not read them (true-rank cost)."""
+    a, b = a.clone(), b.clone()
+    max_rank = b.shape[2]
+    for slot, r in enumerate(ranks):
+        a.view(a.shape[0], n, max_rank, -1)[slot, :, r:] = float("nan")
+        b[slot, :, r:] = float("nan")
+    return a, b
+
+
+def run_case(layout: Layout, batch_name: str, extra_base_tokens: int = 2):
+    runs, ranks, max_rank = BATCHES[batch_name]
+    batch = make_batch(runs, ranks)
+    num_tokens = batch.num_tokens + extra_base_tokens
+    a, b = make_weights(layout, ranks, max_rank)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(num_tokens, layout.hidden, generator=g).to(DEVICE)
+    y = torch.randn(num_tokens, sum(layout.outs), generator=g).to(DEVICE)
+    return batch, a, b, x, y, max_rank
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@needs_triton
+class TestTritonMatchesReference:
+    @pytest.mark.parametrize("batch_name", list(BATCHES))
+    @pytest.mark.parametrize("layout_name", list(LAYOUTS))
+    def test_shrink_then_expand(self, layout_name, batch_name, tiling):
+        layout = LAYOUTS[layout_name]
+        batch, a, b, x, y, max_rank = run_case(layout, batch_name)
+        n = len(layout.outs)
+        inside = segment_rows(batch, x.shape[0])
+
+        a_poisoned, b_poisoned = poison_past_rank(a, b, BATCHES[batch_name][1], n)
+        h = sgmv_triton.triton_shrink(x, a_poisoned, batch, n)
+        h_ref = torch_shrink(x, a, batch, n)
+        assert h.shape == h_ref.shape
+        assert_close(h[inside], h_ref[inside])  # every column, zeros past the rank included
+
+        y_ref = y.clone()
+        torch_expand(h_ref, b, batch, y_ref, layout.out_offsets)
+        y_out = y.clone()
+        sgmv_triton.triton_expand(poison_unread(h_ref, batch, max_rank), b_poisoned, batch, y_out,
+                                  layout.out_offsets)
+        assert_close(y_out, y_ref)
+        assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
+
+    def test_empty_batch_launches_nothing_and_leaves_y(self, tiling):
+        layout = LAYOUTS["qkv_gqa"]
+        batch = batch_from_tables([], [], [], [0, 16], [1.0, 1.0])
+        a, b = make_weights(layout, [0, 16], 16)
+        x = torch.randn(3, layout.hidden, device=DEVICE)
+        y = torch.randn(3, sum(layout.outs), device=DEVICE)
+        h = sgmv_triton.triton_shrink(x, a, batch, 3)
+        assert h.shape == (3, 48)
+        y_out = y.clone()
+        sgmv_triton.triton_expand(h, b, batch, y_out, layout.out_offsets)
+        assert torch.equal(y_out, y)
+
+    def test_split_k_is_deterministic(self, tiling):
+        layout = LAYOUTS["single"]
+        batch, a, b, x, y, _ = run_case(layout, "decode_distinct")
+        first = sgmv_triton.triton_shrink(x, a, batch, 1)
+        inside = segment_rows(batch, x.shape[0])
+        for _ in range(3):
+            assert torch.equal(sgmv_triton.triton_shrink(x, a, batch, 1)[inside], first[inside])
+
+    def test_graph_style_padded_segments(self, tiling):
+        """Decode graphs pass a fixed segment count; unused segments are empty (equal bounds) and
+        point at slot 0, and the host lists are placeholders."""
+        layout = LAYOUTS["qkv_gqa"]
+        ranks = [16, 4, 16]
+        a, b = make_weights(layout, ranks, 16)
+        real = batch_from_tables([0, 3, 5], [3, 5, 6], [1, 2, 1], ranks, [0.5, 1.5, 2.0])
+        bucket = 8
+        padded = SgmvBatch(
+            seg_starts=list(range(bucket)),
+            seg_ends=list(range(1, bucket + 1)),
+            seg_slots_host=[0] * bucket,
+            seg_indptr=torch.tensor([0, 3, 5, 6] + [6] * (bucket - 3), dtype=torch.int32,
+                                    device=DEVICE),
+            seg_slots=torch.tensor([1, 2, 1] + [0] * (bucket - 3), dtype=torch.int32,
+                                   device=DEVICE),
+            slot_ranks=real.slot_ranks,
+            slot_scalings=real.slot_scalings,
+            slot_ranks_host=real.slot_ranks_host,
+            slot_scalings_host=real.slot_scalings_host,
+            num_tokens=bucket,
+        )
+        x = torch.randn(bucket, layout.hidden, device=DEVICE)
+        y = torch.randn(bucket, sum(layout.outs), device=DEVICE)
+        h = sgmv_triton.triton_shrink(x, a, padded, 3)
+        h_ref = torch_shrink(x, a, real, 3)
+        assert_close(h[:6], h_ref[:6])
+        y_out, y_ref = y.clone(), y.clone()
+        sgmv_triton.triton_expand(h, b, padded, y_out, layout.out_offsets)
+        torch_expand(h_ref, b, real, y_ref, layout.out_offsets)
+        assert_close(y_out, y_ref)
+        assert torch.equal(y_out[6:], y[6:])
+
+
+@needs_triton
+class TestLaunchers:
+    def test_registered_as_the_triton_backend(self):
+        assert get_backend("triton") == (sgmv_triton.triton_shrink, sgmv_triton.triton_expand)
+
+    def test_rejects_mixed_dtypes(self):
+        layout = LAYOUTS["single"]
+        batch, a, b, x, y, _ = run_case(layout, "one_token")
+        with pytest.raises(AssertionError):
+            sgmv_triton.triton_shrink(x.double(), a, batch, 1)
+        with pytest.raises(AssertionError):
+            sgmv_triton.triton_expand(x[:, :16].half(), b, batch, y, layout.out_offsets)
+
+    def test_rejects_strided_hidden_dimension(self):
+        layout = LAYOUTS["single"]
+        batch, a, _, x, _, _ = run_case(layout, "one_token")
+        x_strided = torch.randn(x.shape[1], x.shape[0], device=DEVICE).t()
+        with pytest.raises(AssertionError):
+            sgmv_triton.triton_shrink(x_strided, a, batch, 1)
+
+    def test_rejects_widths_that_do_not_add_up(self):
+        layout = LAYOUTS["gate_up"]
+        batch, a, b, x, y, _ = run_case(layout, "one_token")
+        h = torch_shrink(x, a, batch, 2)
+        with pytest.raises(AssertionError):
+            sgmv_triton.triton_expand(h, b, batch, y, (0, 56, 100))
+
+
+def naive_delta(x, a, b, batch: SgmvBatch, out_offsets) -> torch.Tensor:
+    """The LoRA delta one token at a time, straight from the formula in kernels/sgmv.py."""
+    n = len(out_offsets) - 1
+    max_rank = b.shape[2]
+    delta = torch.zeros(x.shape[0], out_offsets[-1], dtype=torch.float64)
+    for s, e, slot in zip(batch.seg_starts, batch.seg_ends, batch.seg_slots_host, strict=True):
+        r, scale = batch.slot_ranks_host[slot], batch.slot_scalings_host[slot]
+        for t in range(s, e):
+            for i in range(n):
+                for o in range(out_offsets[i], out_offsets[i + 1]):
+                    acc = 0.0
+                    for k in range(r):
+                        h = sum(float(x[t, c]) * float(a[slot, i * max_rank + k, c])
+                                for c in range(x.shape[1]))
+                        acc += h * float(b[slot, o, k])
+                    delta[t, o] = scale * acc
+    return delta
+
+
+class TestReferenceMatchesPerTokenLoop:
+    @pytest.mark.parametrize("batch_name", ["base_interleaved", "ranks_1_3_8_16",
+                                            "slot_in_two_segments"])
+    def test_delta(self, batch_name):
+        layout = Layout(6, (5, 3, 3))
+        runs, ranks, _ = BATCHES[batch_name]
+        max_rank = 16
+        batch = make_batch(runs, ranks, device="cpu")
+        g = torch.Generator().manual_seed(3)
+        a = torch.randn(len(ranks), 3 * max_rank, layout.hidden, generator=g, dtype=torch.float64)
+        b = torch.randn(len(ranks), sum(layout.outs), max_rank, generator=g, dtype=torch.float64)
+        for slot, r in enumerate(ranks):  # the contract: zero past the rank
+            a.view(len(ranks), 3, max_rank, -1)[slot, :, r:] = 0
+            b[slot, :, r:] = 0
+        x = torch.randn(batch.num_tokens + 1, layout.hidden, generator=g, dtype=torch.float64)
+        y = torch.randn(x.shape[0], sum(layout.outs), generator=g, dtype=torch.float64)
+        y_ref = y.clone()
+        torch_expand(torch_shrink(x, a, batch, 3), b, batch, y_ref, layout.out_offsets)
+        torch.testing.assert_close(y_ref - y, naive_delta(x, a, b, batch, layout.out_offsets))
+
+
+LLAMA3_8B_QKV = Layout(4096, (4096, 1024, 1024))
+
+
+@pytest.mark.gpu
+@needs_triton
+class TestOnGpu:
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize(
+        "seg_lens", [[1] * 64, [8] * 8, [1], [300, 17, 129, 2]], ids=["b64", "d8", "b1", "prefill"]
+    )
+    def test_llama3_widths_against_float32_reference(self, dtype, seg_lens):
+        layout, max_rank = LLAMA3_8B_QKV, 64
+        ranks = [0, 8, 16, 32, 64, 16, 8, 64, 32]
+        a, b = make_weights(layout, ranks, max_rank, dtype=dtype)
+        slots = [1 + i % (len(ranks) - 1) for i in range(len(seg_lens))]
+        ends = torch.tensor(seg_lens).cumsum(0).tolist()
+        starts = [0, *ends[:-1]]
+        scalings = [0.5 + 0.25 * i for i in range(len(ranks))]
+        batch = batch_from_tables(starts, ends, slots, ranks, scalings)
+        num_tokens = ends[-1] + 3
+        x = torch.randn(num_tokens, layout.hidden, device=DEVICE, dtype=dtype)
+        y = torch.randn(num_tokens, sum(layout.outs), device=DEVICE, dtype=dtype)
+        h = sgmv_triton.triton_shrink(x, a, batch, 3)
+        h_ref = torch_shrink(x.float(), a.float(), batch, 3)
+        inside = segment_rows(batch, num_tokens)
+        torch.testing.assert_close(h[inside].float(), h_ref[inside], atol=2e-2, rtol=2e-2)
+        y_out, y_ref = y.clone(), y.float()
+        sgmv_triton.triton_expand(h, b, batch, y_out, layout.out_offsets)
+        torch_expand(h.float(), b.float(), batch, y_ref, layout.out_offsets)
+        torch.testing.assert_close(y_out.float(), y_ref, atol=3e-2, rtol=2e-2)
+        assert torch.equal(y_out[~inside], y[~inside])
+
+    def test_split_k_bitwise_stable_over_many_launches(self):
+        layout = Layout(14336, (4096,))  # down_proj: the longest split-K
+        ranks = [0] + [16] * 64
+        a, b = make_weights(layout, ranks, 16, dtype=torch.bfloat16)
+        batch = batch_from_tables(list(range(64)), list(range(1, 65)), list(range(1, 65)), ranks,
+                                  [1.0] * 65)
+        x = torch.randn(64, layout.hidden, device=DEVICE, dtype=torch.bfloat16)
+        first = sgmv_triton.triton_shrink(x, a, batch, 1)
+        for _ in range(50):
+            assert torch.equal(sgmv_triton.triton_shrink(x, a, batch, 1), first)
+
+    def test_cuda_graph_replays_over_new_metadata(self):
+        layout, bucket = LLAMA3_8B_QKV, 32
+        ranks = [0, 16, 8, 16, 4]
+        a, b = make_weights(layout, ranks, 16, dtype=torch.bfloat16)
+        indptr = torch.zeros(bucket + 1, dtype=torch.int32, device=DEVICE)
+        seg_slots = torch.zeros(bucket, dtype=torch.int32, device=DEVICE)
+        x = torch.randn(bucket, layout.hidden, device=DEVICE, dtype=torch.bfloat16)
+        y = torch.zeros(bucket, sum(layout.outs), device=DEVICE, dtype=torch.bfloat16)
+        real = batch_from_tables([0], [1], [1], ranks, [1.0, 0.5, 2.0, 1.0, 3.0])
+        static = SgmvBatch(
+            list(range(bucket)), list(range(1, bucket + 1)), [0] * bucket, indptr, seg_slots,
+            real.slot_ranks, real.slot_scalings, real.slot_ranks_host, real.slot_scalings_host,
+            bucket,
+        )
+
+        def step():
+            y.zero_()
+            h = sgmv_triton.triton_shrink(x, a, static, 3)
+            sgmv_triton.triton_expand(h, b, static, y, layout.out_offsets)
+
+        step()  # compile and size the workspaces before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        steps = [([1] * 32, [1 + i % 4 for i in range(32)]), ([5, 20, 3], [2, 4, 1])]
+        for seg_lens, slots in steps:
+            ends = torch.tensor(seg_lens).cumsum(0).tolist()
+            starts = [0, *ends[:-1]]
+            bounds = [0, *ends] + [ends[-1]] * (bucket - len(ends))
+            indptr.copy_(torch.tensor(bounds, dtype=torch.int32))
+            seg_slots.copy_(torch.tensor(slots + [0] * (bucket - len(slots)), dtype=torch.int32))
+            graph.replay()
+            batch = batch_from_tables(starts, ends, slots, ranks, list(real.slot_scalings_host),
+                                      num_tokens=bucket)
+            y_ref = torch.zeros(bucket, sum(layout.outs), device=DEVICE)
+            h_ref = torch_shrink(x.float(), a.float(), batch, 3)
+            torch_expand(h_ref, b.float(), batch, y_ref, layout.out_offsets)
+            torch.testing.assert_close(y.float(), y_ref, atol=3e-2, rtol=2e-2)
