@@ -1,0 +1,87 @@
+"""Progress on stderr: tqdm when it is installed, else a one-line text bar."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Protocol, TextIO
+
+from benchmarks.loadgen.records import RequestRecord
+
+
+class Progress(Protocol):
+    def update(self, record: RequestRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoProgress:
+    def update(self, record: RequestRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TextBar:
+    """`[#########...........]  45/100  ok 44  failed 1  12.3 s`, redrawn at most 10 times a
+    second and once at the end."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, label: str = "", out: TextIO = sys.stderr) -> None:
+        self.total = total
+        self.label = label
+        self.out = out
+        self.ok = self.failed = 0
+        self.start = self.last_draw = time.monotonic()
+
+    def update(self, record: RequestRecord) -> None:
+        self.ok += record.ok
+        self.failed += not record.ok
+        now = time.monotonic()
+        if now - self.last_draw >= 0.1 or self.ok + self.failed == self.total:
+            self.last_draw = now
+            self._draw(now)
+
+    def close(self) -> None:
+        self._draw(time.monotonic())
+        self.out.write("\n")
+        self.out.flush()
+
+    def _draw(self, now: float) -> None:
+        done = self.ok + self.failed
+        filled = self.WIDTH * done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        self.out.write(
+            f"\r{self.label}[{bar}] {done:>{len(str(self.total))}}/{self.total}"
+            f"  ok {self.ok}  failed {self.failed}  {now - self.start:.1f} s"
+        )
+        self.out.flush()
+
+
+class TqdmBar:
+    def __init__(self, total: int, label: str = "") -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=label.strip() or None, file=sys.stderr)
+        self.failed = 0
+
+    def update(self, record: RequestRecord) -> None:
+        self.failed += not record.ok
+        if self.failed:
+            self.bar.set_postfix(failed=self.failed, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def make_progress(total: int, label: str = "", enabled: bool = True) -> Progress:
+    if not enabled:
+        return NoProgress()
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return TextBar(total, label)
+    return TqdmBar(total, label)

@@ -1,0 +1,145 @@
+"""A tiny OpenAI-compatible server for the load generator's tests, served by uvicorn on
+127.0.0.1 in a thread: real sockets, real streaming, known timings.
+
+Each request streams `max_tokens` tokens: the first after `first_token_delay_s`, the rest in
+chunks of `tokens_per_chunk`, each chunk `token_delay_s` per token after the previous one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+BASE = "fake-base"
+ADAPTERS = ("ad-0", "ad-1", "ad-2")
+BROKEN = "ad-broken"  # served but not listed; its stream fails after the first token
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    first_token_delay_s: float = 0.03
+    token_delay_s: float = 0.002
+    tokens_per_chunk: int = 1
+    usage_every_chunk: bool = False  # cumulative usage on every chunk, as vLLM can
+    with_adapters_route: bool = True
+    adapters: tuple[str, ...] = ADAPTERS
+
+
+@dataclass
+class FakeState:
+    bodies: list[dict] = field(default_factory=list)
+    requests_by_model: Counter = field(default_factory=Counter)
+
+
+def make_app(config: FakeConfig, state: FakeState) -> FastAPI:
+    app = FastAPI()
+    served = {BASE, *config.adapters, BROKEN}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [{"id": BASE, "object": "model", "parent": None}]
+        cards += [{"id": a, "object": "model", "parent": BASE} for a in config.adapters]
+        return {"object": "list", "data": cards}
+
+    if config.with_adapters_route:
+
+        @app.get("/v1/adapters")
+        async def adapters() -> dict:
+            rows = [
+                {"name": a, "requests": state.requests_by_model[a], "resident": True}
+                for a in config.adapters
+            ]
+            return {"loads_total": sum(state.requests_by_model.values()), "adapters": rows}
+
+    async def generate(request: Request, chat: bool):
+        body = await request.json()
+        state.bodies.append(body)
+        if body["model"] not in served:
+            error = {"message": f"model {body['model']!r} not found", "type": "NotFoundError"}
+            return JSONResponse({"error": error}, status_code=404)
+        state.requests_by_model[body["model"]] += 1
+        events = _events(config, body, chat)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+async def _events(config: FakeConfig, body: dict, chat: bool) -> AsyncIterator[str]:
+    total = body["max_tokens"]
+    prompt = body["messages"][0]["content"] if chat else body["prompt"]
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+    include_usage = (body.get("stream_options") or {}).get("include_usage", False)
+    sent = 0
+    await asyncio.sleep(config.first_token_delay_s)
+    while sent < total:
+        k = 1 if sent == 0 else min(config.tokens_per_chunk, total - sent)
+        if sent:
+            await asyncio.sleep(config.token_delay_s * k)
+        sent += k
+        text = "tok " * k
+        choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+        event: dict = {"object": "chunk", "choices": [choice]}
+        if config.usage_every_chunk:
+            event["usage"] = _usage(prompt_tokens, sent)
+        yield f"data: {json.dumps(event)}\n\n"
+        if body["model"] == BROKEN:
+            error = {"message": "the engine failed", "type": "InternalServerError"}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            return
+    if include_usage:
+        usage_event = {"object": "chunk", "choices": [], "usage": _usage(prompt_tokens, sent)}
+        yield f"data: {json.dumps(usage_event)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@contextmanager
+def serve(config: FakeConfig | None = None) -> Iterator[tuple[str, FakeState]]:
+    """Serve a fake on a free port of 127.0.0.1; yields its base URL and its state."""
+    config = config or FakeConfig()
+    state = FakeState()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(make_app(config, state), log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            threading.Event().wait(0.01)
+        assert server.started, "the fake server did not start"
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+        sock.close()
