@@ -2,14 +2,22 @@
 
 Folder validation is the engine's own (`replicas.adapters.loader.read_adapter_config`), so the
 ingress refuses exactly the adapters an engine replica would refuse, before a request is queued.
+
+The engine replicas are the authority on which adapters are served: adapters loaded or unloaded
+at run time reach every engine replica (`app/management.py`), while each ingress replica keeps a
+registry of its own. An ingress learns what another one changed from an engine replica's view
+(`FleetView`): on a name it does not know, on `/v1/models` and `/v1/adapters`, and when an engine
+answers 404 for an adapter it still lists.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from dataclasses import dataclass
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from replicas.adapters.loader import AdapterError, read_adapter_config
 
@@ -17,9 +25,17 @@ __all__ = [
     "AdapterError",
     "AdapterInfo",
     "AdapterRegistry",
+    "FleetView",
+    "RegisteredAdapter",
     "check_adapter_name",
     "validate_adapter_dir",
 ]
+
+logger = logging.getLogger("ray.serve")
+
+FLEET_VIEW_TIMEOUT_S = 2.0
+
+Source = Literal["config", "runtime", "adapter_root"]
 
 
 @dataclass(frozen=True)
@@ -63,12 +79,34 @@ def check_adapter_name(name: str, base_name: str) -> None:
         raise ValueError(f"adapter name {name!r} is the base model's name")
 
 
+@dataclass(frozen=True)
+class FleetView:
+    """One engine replica's answer to "which adapters may new requests name?": the adapters
+    registered by name (configured or loaded at run time) and the names unloaded (which
+    `adapter_root` folders no longer provide either)."""
+
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    unloaded: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RegisteredAdapter:
+    path: Path
+    source: Source  # configured at start-up, loaded at run time, or found under adapter_root
+
+
 class AdapterRegistry:
-    """The adapters served by name: those configured at start-up (already validated) and those
-    found under `adapter_root` on first use. Lives on the ingress event loop; not thread-safe.
+    """The adapters served by name: those configured at start-up (already validated), those
+    loaded at run time, and those found under `adapter_root` on first use. Lives on the ingress
+    event loop; not thread-safe.
 
     A folder under `adapter_root` that fails validation is not remembered, so a fixed folder is
-    picked up by the next request that names it.
+    picked up by the next request that names it. A name unloaded is not looked for under
+    `adapter_root` again until it is loaded again.
+
+    `fleet_view` (optional) fetches an engine replica's `FleetView`; `refresh` applies it. It is
+    asked when a name is not known here, so an adapter loaded through another ingress replica is
+    found; at most one fetch is in flight, callers that miss meanwhile share its answer.
     """
 
     def __init__(
@@ -78,16 +116,82 @@ class AdapterRegistry:
         *,
         adapter_root: str | Path | None,
         max_lora_rank: int,
+        fleet_view: Callable[[], Awaitable[FleetView]] | None = None,
     ) -> None:
         self.base_name = base_name
         self.adapter_root = Path(adapter_root) if adapter_root is not None else None
         self.max_lora_rank = max_lora_rank
-        self._paths: dict[str, Path] = {name: Path(path) for name, path in adapters.items()}
+        self._configured = {name: Path(path) for name, path in adapters.items()}
+        self._entries: dict[str, RegisteredAdapter] = {
+            name: RegisteredAdapter(path, "config") for name, path in self._configured.items()
+        }
+        self._unloaded: set[str] = set()
+        self._fleet_view = fleet_view
+        self._refreshing: asyncio.Future[None] | None = None
 
     @property
     def adapters(self) -> dict[str, Path]:
         """Name -> folder of every adapter known so far."""
-        return dict(self._paths)
+        return {name: entry.path for name, entry in self._entries.items()}
+
+    @property
+    def entries(self) -> dict[str, RegisteredAdapter]:
+        return dict(self._entries)
+
+    def is_taken(self, name: str) -> bool:
+        """True when `name` already names an adapter: a known one, or a folder under
+        `adapter_root` that was not unloaded."""
+        if name == self.base_name or name in self._entries:
+            return True
+        return name not in self._unloaded and self._root_folder(name) is not None
+
+    def add(self, name: str, path: str | Path) -> None:
+        """An adapter loaded at run time."""
+        self._entries[name] = RegisteredAdapter(Path(path), "runtime")
+        self._unloaded.discard(name)
+
+    def remove(self, name: str) -> None:
+        """New requests for `name` get 404 from now on (`adapter_root` included)."""
+        self._entries.pop(name, None)
+        self._unloaded.add(name)
+
+    def apply(self, view: FleetView) -> None:
+        """Take in an engine replica's view. Names it does not mention are left alone: a
+        replica started after a run-time load does not know that adapter, which does not make
+        it unloaded."""
+        for name in view.unloaded:
+            if name not in view.adapters:
+                self.remove(name)
+        for name, path in view.adapters.items():
+            known = self._entries.get(name)
+            if known is None or known.path != Path(path):
+                configured = self._configured.get(name) == Path(path)
+                self._entries[name] = RegisteredAdapter(
+                    Path(path), "config" if configured else "runtime"
+                )
+            self._unloaded.discard(name)
+
+    async def refresh(self) -> None:
+        """Fetch an engine replica's view and apply it. An engine that does not answer leaves
+        the registry as it is (logged)."""
+        if self._fleet_view is None:
+            return
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._fetch_and_apply())
+            self._refreshing.add_done_callback(self._refresh_done)
+        await asyncio.shield(self._refreshing)
+
+    def _refresh_done(self, _: asyncio.Future[None]) -> None:
+        self._refreshing = None
+
+    async def _fetch_and_apply(self) -> None:
+        assert self._fleet_view is not None
+        try:
+            view = await asyncio.wait_for(self._fleet_view(), FLEET_VIEW_TIMEOUT_S)
+        except Exception as e:
+            logger.warning("could not ask the engine which adapters it serves: %r", e)
+            return
+        self.apply(view)
 
     async def resolve(self, model: str) -> str | None:
         """The adapter `model` names, or None for the base model.
@@ -100,21 +204,37 @@ class AdapterRegistry:
             return None
         name = model
         prefix = f"{self.base_name}:"
-        if model not in self._paths and model.startswith(prefix):
+        if model not in self._entries and model.startswith(prefix):
             name = model[len(prefix) :]
-        if name in self._paths:
+        if name in self._entries:
             return name
-        await self._discover(name, model)
-        return name
+        if name not in self._unloaded and await self._discover(name):
+            return name
+        await self.refresh()  # loaded through another ingress replica?
+        if name in self._entries:
+            return name
+        raise AdapterError(f"The model `{model}` does not exist.", status=404)
 
-    async def _discover(self, name: str, model: str) -> None:
-        not_found = AdapterError(f"The model `{model}` does not exist.", status=404)
+    def _root_folder(self, name: str) -> Path | None:
         if self.adapter_root is None:
-            raise not_found
+            return None
         try:
             check_adapter_name(name, self.base_name)
         except ValueError:
-            raise not_found from None
+            return None
+        folder = self.adapter_root / name
+        return folder if folder.is_dir() else None
+
+    async def _discover(self, name: str) -> bool:
+        """True when `name` is a servable folder under `adapter_root` (now remembered); False
+        when there is no such folder. Raises AdapterError (400) for a folder that cannot be
+        served."""
+        if self.adapter_root is None:
+            return False
+        try:
+            check_adapter_name(name, self.base_name)
+        except ValueError:
+            return False
         # Off the event loop: adapter_root may sit on a network file system.
         try:
             info = await asyncio.to_thread(
@@ -122,6 +242,7 @@ class AdapterRegistry:
             )
         except AdapterError as e:
             if e.status == 404:
-                raise not_found from e
+                return False
             raise AdapterError(f"adapter `{name}` cannot be served: {e}", e.status) from e
-        self._paths[name] = info.path
+        self._entries[name] = RegisteredAdapter(info.path, "adapter_root")
+        return True

@@ -7,6 +7,8 @@ that need the file system (adapter folders, the model directory) run at build ti
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -86,6 +88,30 @@ class AppArgs(BaseModel):
     max_lora_rank: int = Field(
         default=16, ge=1, description="The largest adapter rank served; higher ranks are refused."
     )
+    pinned_adapters: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Adapters (names from `adapters`, or the demo's) kept in a GPU slot and in host "
+            "memory once loaded: never evicted. At most max_loras_per_batch."
+        ),
+    )
+    adapter_loading: Literal["blocking", "overlap", "prefetch"] | None = Field(
+        default=None,
+        description=(
+            "How engine replicas bring adapters in. blocking: read and copy while the step "
+            "waits. overlap: read on worker threads and copy on a load stream while other "
+            "requests run. prefetch: overlap, plus loading ahead of need from the waiting queue "
+            "and the router's hints. null: prefetch, or overlap when enable_prefetch is false."
+        ),
+    )
+    enable_prefetch: bool = Field(
+        default=True,
+        description=(
+            "Load adapters ahead of need. false means adapter_loading overlap when "
+            "adapter_loading is null; an explicit adapter_loading wins (prefetch with "
+            "enable_prefetch false is refused as contradictory)."
+        ),
+    )
     max_num_seqs: int = Field(
         default=64, ge=1, description="Requests running at once per engine replica."
     )
@@ -113,6 +139,16 @@ class AppArgs(BaseModel):
             "because the engine batches continuously."
         ),
     )
+    router: Literal["affinity", "pow2"] = Field(
+        default="affinity",
+        description=(
+            "How requests are spread over engine replicas. affinity: to a replica that holds the "
+            "request's adapter on its GPU, is loading it or has it in host memory, within a "
+            "bound on load imbalance, and the chosen replica is told in advance so it starts "
+            "loading. pow2: Ray Serve's default (two random replicas, the shorter queue; "
+            "replicas reporting the adapter on GPU first)."
+        ),
+    )
     demo_cache_dir: str | None = Field(
         default=None,
         description="Where the demo is built. Default: $LORAFLEET_CACHE or ~/.cache/lorafleet.",
@@ -133,10 +169,28 @@ class AppArgs(BaseModel):
                 raise ValueError(f"adapter {name!r} has an empty path")
         return adapters
 
+    @field_validator("pinned_adapters")
+    @classmethod
+    def _pinned_names_once(cls, pinned: list[str]) -> list[str]:
+        repeated = sorted({name for name in pinned if pinned.count(name) > 1})
+        if repeated:
+            raise ValueError(f"adapters pinned more than once: {repeated}")
+        return pinned
+
     @model_validator(mode="after")
     def _check_together(self) -> AppArgs:
         for name in self.adapters:
             check_adapter_name(name, self.base_model_name)
+        if len(self.pinned_adapters) > self.max_loras_per_batch:
+            raise ValueError(
+                f"pinned_adapters lists {len(self.pinned_adapters)} adapters but there are only "
+                f"max_loras_per_batch ({self.max_loras_per_batch}) GPU slots"
+            )
+        if self.model is not None:
+            # The demo (model null) brings adapters of its own: build_app checks after merging.
+            check_pinned(self.pinned_adapters, self.adapters)
+        if self.adapter_loading == "prefetch" and not self.enable_prefetch:
+            raise ValueError("adapter_loading prefetch contradicts enable_prefetch false")
         if self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError(
                 f"max_loaded_loras ({self.max_loaded_loras}) must be at least "
@@ -156,6 +210,14 @@ class AppArgs(BaseModel):
             return Path(self.model).expanduser().resolve().name
         return self.model
 
+    @property
+    def loading_mode(self) -> str:
+        """The engine's adapter loading mode: adapter_loading when given, else from
+        enable_prefetch."""
+        if self.adapter_loading is not None:
+            return self.adapter_loading
+        return "prefetch" if self.enable_prefetch else "overlap"
+
     def to_engine_config(self, model_dir: str | Path, device: str) -> EngineConfig:
         """The engine's frozen config, for the model in local folder `model_dir` on `device`
         ("cpu" or "cuda": "auto" is resolved by the caller)."""
@@ -172,4 +234,27 @@ class AppArgs(BaseModel):
             max_loaded_loras=self.max_loaded_loras,
             adapters=tuple(sorted(self.adapters.items())),
             adapter_root=self.adapter_root,
+            adapter_loading=self.loading_mode,
+            pinned_adapters=tuple(self.pinned_adapters),
+        )
+
+
+def args_table() -> str:
+    """The README's configuration table: one row per `AppArgs` field, its default and its
+    description (tests check that the README shows this table)."""
+    rows = ["| arg | default | meaning |", "| --- | --- | --- |"]
+    for name, field in AppArgs.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = default if isinstance(default, str) else json.dumps(default)
+        rows.append(f"| `{name}` | `{shown}` | {field.description} |")
+    return "\n".join(rows)
+
+
+def check_pinned(pinned: Iterable[str], adapters: Mapping[str, str]) -> None:
+    """Raise ValueError unless every pinned name is one of `adapters`."""
+    unknown = sorted(set(pinned) - set(adapters))
+    if unknown:
+        raise ValueError(
+            f"pinned_adapters names adapters that are not configured: {unknown}; pin adapters "
+            "listed in `adapters`"
         )

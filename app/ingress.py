@@ -1,9 +1,9 @@
 """The HTTP front: OpenAI-compatible routes over an engine client.
 
-`make_api(engine, tokenizer, settings)` builds the FastAPI app from its collaborators, so tests
-run it with a fake engine and no Ray. `Ingress` is the Serve deployment: it receives the engine
-deployment's handle, and at replica start-up (`__serve_build_asgi_app__`) prepares the model
-files, loads the tokenizer and builds the app.
+`make_api(engine, tokenizer, settings, metrics=...)` builds the FastAPI app from its
+collaborators, so tests run it with a fake engine, a fake metrics backend and no Ray. `Ingress`
+is the Serve deployment: it receives the engine deployment's handle, and at replica start-up
+(`__serve_build_asgi_app__`) prepares the model files, loads the tokenizer and builds the app.
 
 Each generation: resolve `model` to the base or an adapter, tokenize (chat template for chat),
 check the context length, send one `GenerateRequest` to the engine, and turn its token chunks
@@ -11,6 +11,9 @@ into text. The first chunk is awaited before answering, so a request the engine 
 proper status; an error after streaming began is sent as an SSE `{"error": ...}` event. Closing
 the engine stream aborts the request there: when a stop string matches, when the client goes
 away, on any error.
+
+Adapter management (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/adapters`) is in
+`app/management.py`; the metrics in `app/metrics.py`.
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from app.adapters import AdapterError, AdapterRegistry
+from app.fleet import FleetClient, ServeFleetClient
+from app.management import AdapterAdmin
+from app.metrics import GenerationTimer, IngressMetrics, RequestCounter
 from app.protocol import (
+    AdapterList,
     APIError,
     AssistantMessage,
     ChatCompletionChoice,
@@ -46,9 +53,11 @@ from app.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     SamplingFields,
+    UnloadLoraAdapterRequest,
     UsageInfo,
 )
 from app.tokenization import (
@@ -72,8 +81,9 @@ logger = logging.getLogger("ray.serve")
 # The engine, as the routes see it
 
 
-class EngineClient(Protocol):
-    """What the routes need from the engine fleet.
+class EngineClient(FleetClient, Protocol):
+    """What the routes need from the engine fleet: generation, and the control plane of
+    `FleetClient`.
 
     `generate` yields the request's chunks (the last one has `finish_reason`; a refusal is one
     chunk with `error`). Closing the iterator before the last chunk (`aclose`, or cancelling the
@@ -86,12 +96,9 @@ class EngineClient(Protocol):
     async def info(self) -> dict[str, Any]: ...
 
 
-class ServeEngineClient:
+class ServeEngineClient(ServeFleetClient):
     """`EngineClient` over a handle to the engine deployment. The adapter name is the request's
     multiplexed model id, which the router uses to place it."""
-
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self._handle = handle
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         from ray.exceptions import RayActorError
@@ -154,11 +161,18 @@ class ApiSettings:
 
 
 def make_api(
-    engine: EngineClient, tokenizer: PreTrainedTokenizerBase, settings: ApiSettings
+    engine: EngineClient,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: ApiSettings,
+    *,
+    metrics: IngressMetrics | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+    """The OpenAI-compatible app: /v1/completions, /v1/chat/completions, /v1/models, /health,
+    and adapter management. `metrics` defaults to the Ray Serve metrics."""
     api = FastAPI(title="lorafleet", summary="One base model, many LoRA adapters.")
-    service = OpenAIService(engine, tokenizer, settings)
+    metrics = metrics if metrics is not None else IngressMetrics()
+    service = OpenAIService(engine, tokenizer, settings, metrics)
+    admin = AdapterAdmin(engine, service.registry)
 
     @api.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -178,7 +192,7 @@ def make_api(
 
     @api.get("/v1/models")
     async def models() -> ModelList:
-        return service.models()
+        return await service.models()
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -188,6 +202,20 @@ def make_api(
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         return await service.chat_completions(body)
 
+    @api.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await admin.load(body))
+
+    @api.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await admin.unload(body))
+
+    @api.get("/v1/adapters")
+    async def adapters() -> AdapterList:
+        return await admin.listing()
+
+    routes = [route.path for route in api.routes if route.path.startswith(("/v1/", "/health"))]
+    api.add_middleware(RequestCounter, metrics=metrics, routes=routes)
     return api
 
 
@@ -218,23 +246,32 @@ class OpenAIService:
     """The routes' logic, apart from FastAPI wiring."""
 
     def __init__(
-        self, engine: EngineClient, tokenizer: PreTrainedTokenizerBase, settings: ApiSettings
+        self,
+        engine: EngineClient,
+        tokenizer: PreTrainedTokenizerBase,
+        settings: ApiSettings,
+        metrics: IngressMetrics,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
+        self.metrics = metrics
         self.registry = AdapterRegistry(
             settings.served_model_name,
             settings.adapters,
             adapter_root=settings.adapter_root,
             max_lora_rank=settings.max_lora_rank,
+            fleet_view=engine.served_adapters,
         )
         self._info: EngineInfo | None = None
         self._info_lock = asyncio.Lock()
 
     # -- models ------------------------------------------------------------------------------
 
-    def models(self) -> ModelList:
+    async def models(self) -> ModelList:
+        """The base model and every adapter served by name (adapter_root folders once used),
+        as the engine fleet knows them."""
+        await self.registry.refresh()
         base = self.settings.served_model_name
         max_len = self._info.max_model_len if self._info is not None else None
         cards = [ModelCard(id=base, root=self.settings.model_root, max_model_len=max_len)]
@@ -268,6 +305,7 @@ class OpenAIService:
     # -- routes ------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest) -> Response:
+        arrival = self.metrics.clock()
         adapter = await self.resolve_adapter(body.model)
         info = await self.engine_info()
         if isinstance(body.prompt, str):
@@ -282,9 +320,11 @@ class OpenAIService:
                 )
         output = _CompletionOutput(f"cmpl-{uuid.uuid4().hex}", body.model)
         budget = _output_budget(len(prompt_ids), body.max_tokens, info, prompt_param="prompt")
-        return await self._generate(body, budget, prompt_ids, adapter, output)
+        timer = self.metrics.generation(adapter, arrival)
+        return await self._generate(body, budget, prompt_ids, adapter, output, timer)
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        arrival = self.metrics.clock()
         adapter = await self.resolve_adapter(body.model)
         info = await self.engine_info()
         messages = [_template_message(m.role, m.text, m.name) for m in body.messages]
@@ -301,7 +341,8 @@ class OpenAIService:
         budget = _output_budget(
             len(prompt_ids), body.output_token_limit, info, prompt_param="messages"
         )
-        return await self._generate(body, budget, prompt_ids, adapter, output)
+        timer = self.metrics.generation(adapter, arrival)
+        return await self._generate(body, budget, prompt_ids, adapter, output, timer)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -312,6 +353,7 @@ class OpenAIService:
         prompt_ids: list[int],
         adapter: str | None,
         output: _Output,
+        timer: GenerationTimer,
     ) -> Response:
         sampling = _sampling_params(body, max_tokens)
         request = GenerateRequest(output.request_id, prompt_ids, sampling, adapter)
@@ -319,11 +361,18 @@ class OpenAIService:
         stream = aiter(self.engine.generate(request))
         try:
             first = await _next_chunk(stream)
+            timer.tokens(len(first.token_ids))
             _raise_engine_error(first)
+        except APIError as e:
+            await _close(stream)
+            if e.status == 404 and adapter is not None:
+                # Unloaded through another ingress replica: stop sending it from here too.
+                self.registry.remove(adapter)
+            raise
         except BaseException:
             await _close(stream)
             raise
-        run = _Run(stream, first, text, len(prompt_ids))
+        run = _Run(stream, first, text, len(prompt_ids), timer)
         if body.stream:
             return _ClosingStreamingResponse(
                 _sse_events(run, output, body.include_usage),
@@ -432,12 +481,15 @@ class _Run:
         first: GenerateChunk,
         text: TextStream,
         num_prompt_tokens: int,
+        timer: GenerationTimer,
     ) -> None:
         self._stream = stream
-        self._first: GenerateChunk | None = first
+        self._first: GenerateChunk | None = first  # already timed
         self._text = text
+        self._timer = timer
         self.num_prompt_tokens = first.num_prompt_tokens or num_prompt_tokens
         self.finish_reason: str | None = None
+        timer.admitted(self.num_prompt_tokens)
 
     @property
     def num_output_tokens(self) -> int:
@@ -445,8 +497,11 @@ class _Run:
 
     async def __aiter__(self) -> AsyncIterator[tuple[str, str | None]]:
         while self.finish_reason is None:
-            chunk = self._first if self._first is not None else await _next_chunk(self._stream)
-            self._first = None
+            if self._first is not None:
+                chunk, self._first = self._first, None
+            else:
+                chunk = await _next_chunk(self._stream)
+                self._timer.tokens(len(chunk.token_ids))
             _raise_engine_error(chunk)
             delta = self._text.add(chunk.token_ids)
             if self._text.stopped:
@@ -455,6 +510,8 @@ class _Run:
             elif chunk.finished:
                 delta += self._text.finish()
                 self.finish_reason = chunk.finish_reason
+            if self.finish_reason is not None:
+                self._timer.finished()
             if delta or self.finish_reason is not None:
                 yield delta, self.finish_reason
 
@@ -632,4 +689,6 @@ class Ingress:
         if self._prepare is not None:
             await asyncio.to_thread(self._prepare)
         tokenizer = await asyncio.to_thread(load_tokenizer, self._model_dir)
-        return make_api(ServeEngineClient(self._engine), tokenizer, self._settings)
+        return make_api(
+            ServeEngineClient(self._engine), tokenizer, self._settings, metrics=IngressMetrics()
+        )

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.adapters import AdapterError, validate_adapter_dir
-from app.config import AppArgs, looks_like_local_path
+from app.config import AppArgs, check_pinned, looks_like_local_path
 from app.ingress import ApiSettings, Ingress
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         }
     )
     check_adapters(args.adapters, args.max_lora_rank)
+    check_pinned(args.pinned_adapters, args.adapters)
     device = resolve_device(args.device)
     logger.info(
         "serving %s from %s on %s with %d adapter(s)",
@@ -71,6 +72,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     engine_options: dict[str, Any] = {
         "num_replicas": args.num_replicas,
         "max_ongoing_requests": args.max_ongoing_requests,
+        "request_router_config": request_router_config(args),
     }
     if device == "cuda":
         engine_options["ray_actor_options"] = {"num_gpus": 1}
@@ -89,6 +91,29 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         num_replicas=args.num_ingress_replicas,
         max_ongoing_requests=args.max_ongoing_requests * args.num_replicas,
     ).bind(engine, settings, str(source.model_dir), prepare=source.prepare)
+
+
+# Ray Serve's own router: power of two choices, preferring replicas that report the request's
+# multiplexed model id (the engine reports its GPU-resident adapters).
+POW2_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+AFFINITY_ROUTER = "router.serve_router:AffinityRequestRouter"
+ROUTING_STATS_PERIOD_S = 0.5  # how often Serve's controller polls each replica's residency
+
+
+def request_router_config(args: AppArgs) -> dict[str, Any]:
+    """The engine deployment's `request_router_config` for `args.router`. Affinity routing sends
+    prefetch hints only when the engines prefetch (otherwise nothing would act on them)."""
+    if args.router == "pow2":
+        return {"request_router_class": POW2_ROUTER}
+    return {
+        "request_router_class": AFFINITY_ROUTER,
+        "request_router_kwargs": {
+            "prefetch_hints": args.loading_mode == "prefetch",
+            "num_slots": args.max_loras_per_batch,
+        },
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+        "request_routing_stats_timeout_s": 2.0,
+    }
 
 
 def _absolute(path: str) -> str:

@@ -429,3 +429,52 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapter management (vLLM's routes, plus `pinned`)
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(description="The name requests will use in `model`.")
+    lora_path: str = Field(
+        description="The PEFT folder, readable at this same path on every engine node."
+    )
+    pinned: bool = Field(
+        default=False, description="Extension: keep it on the GPU once loaded (never evicted)."
+    )
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(description="The adapter to stop serving.")
+
+
+class ReplicaState(BaseModel):
+    replica_id: str | None  # None: a replica that failed without naming itself
+    available: bool
+    error: str | None = None
+
+
+class AdapterPlacement(BaseModel):
+    replica_id: str | None
+    # gpu/loading/host/disk: the replica's tier; absent: the replica does not serve it;
+    # unavailable: the replica did not answer.
+    tier: Literal["gpu", "loading", "host", "disk", "absent", "unavailable"]
+    slot: int | None = None
+
+
+class AdapterCard(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    source: Literal["config", "runtime", "adapter_root"]
+    path: str | None
+    rank: int | None  # the largest rank over its modules
+    size_bytes: int | None  # its weights in a replica's memory; None until one has read them
+    pinned: bool
+    replicas: list[AdapterPlacement]
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterCard]
+    replicas: list[ReplicaState]

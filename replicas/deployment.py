@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from ray import serve
 
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
-from replicas.engine import Engine
+from replicas.engine import Engine, RequestRejected
 from replicas.protocol import GenerateChunk, GenerateRequest
 
 logger = logging.getLogger("ray.serve")
+
+STATS_PERIOD_S = 1.0
+ROUTING_STATS_TIMEOUT_S = 0.5
+RESIDENCY_PERIOD_S = 0.1  # how often a replica checks whether its adapter residency changed
+WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
 class EngineDeployment:
     """One engine replica. `prepare` runs first on the replica's node (it makes sure the model
-    files exist there, e.g. building the embedded demo); `engine_cls` is injectable for tests."""
+    files exist there, e.g. building the embedded demo); `engine_cls` and `metrics` are
+    injectable for tests. When built inside an event loop (as Serve does), a background task
+    turns `stats()` into metrics every `stats_period_s`."""
 
     def __init__(
         self,
@@ -26,16 +36,40 @@ class EngineDeployment:
         *,
         prepare: Callable[[], object] | None = None,
         engine_cls: type[Engine] = Engine,
+        metrics: EngineMetrics | None = None,
+        stats_period_s: float = STATS_PERIOD_S,
     ) -> None:
         if prepare is not None:
             prepare()
         self.config = config
+        self.replica_id = _replica_id()
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.metrics.set_slot_capacity(config.max_loras_per_batch)
+        self._load_ids: dict[str, str] = {}  # adapter -> the load that registered it here
         self.engine = AsyncEngine(engine_cls(config))
         self.engine.start()
+        self._stats_task: asyncio.Task | None = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None  # built outside Serve: `report_stats()` is called by hand
+        if loop is not None:
+            self._stats_task = loop.create_task(self._report_stats_forever(stats_period_s))
+        self._routing_stats: dict[str, Any] | None = None  # the last answer, for slow engines
+        self._published: dict[str, list[str]] | None = None  # residency last pushed to Serve
+        self._serve = _serve_context()
+        self._routing_tasks: list[asyncio.Task] = []
+        if loop is not None and self._serve is not None:
+            self._routing_tasks = [
+                loop.create_task(self._publish_residency_forever(RESIDENCY_PERIOD_S)),
+                loop.create_task(self._follow_hints()),
+            ]
         logger.info("engine replica ready on %s with model %s", config.device, config.model)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         async for chunk in self.engine.generate(request):
+            if chunk.metrics is not None:
+                self.metrics.request_finished(request.adapter is not None, chunk.metrics)
             yield chunk
 
     async def info(self) -> dict:
@@ -49,25 +83,305 @@ class EngineDeployment:
     async def stats(self) -> dict:
         return await self.engine.call(_engine_stats)
 
-    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
-        """Raises RequestRejected (with `.status`) for a bad adapter or a name in use."""
-        await self.engine.call(Engine.load_adapter, name, path, pinned)
+    async def report_stats(self) -> None:
+        """Read `stats()` once into the metrics."""
+        self.metrics.update(await self.stats())
 
-    async def unload_adapter(self, name: str) -> None:
+    async def _report_stats_forever(self, period_s: float) -> None:
+        while True:
+            try:
+                await self.report_stats()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("reading engine stats for metrics failed")
+            await asyncio.sleep(period_s)
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    async def load_adapter(
+        self, name: str, path: str, pinned: bool = False, load_id: str | None = None
+    ) -> None:
+        """Raises RequestRejected (with `.status`) for a bad adapter or a name in use. `load_id`
+        marks this load, so that undoing it (`unload_adapter(name, load_id)`) never removes an
+        adapter of the same name that another load registered."""
+        await self.engine.call(Engine.load_adapter, name, path, pinned)
+        if load_id is not None:
+            self._load_ids[name] = load_id
+        else:
+            self._load_ids.pop(name, None)
+
+    async def unload_adapter(self, name: str, load_id: str | None = None) -> None:
+        """New requests for `name` get 404; queued and running ones finish. With `load_id`, only
+        when that load is what registered `name` here. Raises RequestRejected 404 otherwise, or
+        when `name` is not loaded."""
+        if load_id is not None and self._load_ids.get(name) != load_id:
+            raise RequestRejected(f"adapter {name!r} was not loaded by load {load_id}", 404)
         await self.engine.call(Engine.unload_adapter, name)
+        self._load_ids.pop(name, None)
 
     async def adapters(self) -> dict[str, dict]:
         return await self.engine.call(Engine.adapter_status)
 
+    async def adapter_report(self, timeout_s: float) -> dict[str, Any]:
+        """`adapters()` with this replica's id, for listings gathered from every replica:
+        `{"replica_id", "adapters": {...} | None, "error": str | None}`. The engine answers
+        between steps; one that takes longer than `timeout_s` gets `adapters` None."""
+        try:
+            adapters = await asyncio.wait_for(self.adapters(), timeout_s)
+        except TimeoutError:
+            return {
+                "replica_id": self.replica_id,
+                "adapters": None,
+                "error": f"the engine did not answer within {timeout_s:g} s",
+            }
+        return {"replica_id": self.replica_id, "adapters": adapters, "error": None}
+
+    async def served_adapters(self) -> dict[str, Any]:
+        """What new requests may name here: `{"adapters": {name: path}, "unloaded": [name]}`,
+        the adapters registered by name (configured or loaded at run time) and the names
+        unloaded (adapter_root folders included)."""
+        return await self.engine.call(_served_adapters)
+
     async def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
         await self.engine.call(Engine.prefetch_hint, adapter, eta_s)
+
+    # -- routing -------------------------------------------------------------------------------
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the router places requests by, polled by Serve's controller every
+        `request_routing_stats_period_s`: `{"gpu", "loading", "host": [adapter], "num_slots",
+        "free_slots", "num_waiting", "num_running"}`. The engine answers between steps; when it
+        takes longer than `ROUTING_STATS_TIMEOUT_S`, the previous answer (or an empty one) is
+        returned rather than holding the controller up."""
+        try:
+            stats = await asyncio.wait_for(
+                self.engine.call(_routing_stats), ROUTING_STATS_TIMEOUT_S
+            )
+        except TimeoutError:
+            return self._routing_stats or {}
+        self._routing_stats = stats
+        return stats
+
+    async def publish_residency(self) -> None:
+        """When the adapters on GPU, loading or in host memory changed, push them to Serve's
+        controller at once rather than waiting for its next `record_routing_stats` poll: as
+        `routing_stats` (for the affinity router), and the GPU and loading ones as this
+        replica's multiplexed model ids, which Serve's default router (`router: pow2`) prefers,
+        as it would with `@serve.multiplexed` (whose replicas push theirs every 0.1 s)."""
+        stats = await self.record_routing_stats()
+        if not stats:
+            return
+        residency = {tier: sorted(stats[tier]) for tier in ("gpu", "loading", "host")}
+        if residency == self._published:
+            return
+        model_ids = residency["gpu"] + residency["loading"]
+        await asyncio.to_thread(_push_routing_info, self._serve.replica_id, model_ids, stats)
+        self._published = residency
+
+    async def _publish_residency_forever(self, period_s: float) -> None:
+        while True:
+            try:
+                await self.publish_residency()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("publishing adapter residency failed")
+            await asyncio.sleep(period_s)
+
+    async def _follow_hints(self) -> None:
+        from router.hints import board_name, follow_hints, get_or_create_board
+
+        name = board_name(self._serve.app_name, self._serve.deployment)
+        await follow_hints(self.replica_id, lambda: get_or_create_board(name), self._take_hints)
+
+    async def _take_hints(self, hints: list[tuple[str, float]]) -> None:
+        await self.engine.call(_prefetch_hints, hints)
 
     async def check_health(self) -> None:
         if not self.engine.alive:
             raise RuntimeError(f"engine loop stopped: {self.engine.last_error!r}")
 
     def __del__(self) -> None:
-        self.engine.shutdown()
+        for task in [getattr(self, "_stats_task", None), *getattr(self, "_routing_tasks", [])]:
+            if task is not None:
+                task.cancel()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+class EngineMetrics:
+    """The replica's metrics, exported through `ray.serve.metrics` (Serve adds the deployment,
+    replica and application tags). `backend` is `ray.serve.metrics` or anything with its
+    `Counter`, `Gauge` and `Histogram` constructors (tests pass a recording fake).
+
+    `update(stats)` sets the gauges from a `stats()` snapshot and adds the counters' growth since
+    the previous one; `request_finished` observes a finished request's waits. No adapter-name
+    tags: names are unbounded.
+    """
+
+    def __init__(self, backend: Any = None) -> None:
+        m = backend if backend is not None else _serve_metrics()
+        self.running = m.Gauge(
+            "lorafleet_engine_running_requests", description="Requests running in the engine."
+        )
+        self.waiting = m.Gauge(
+            "lorafleet_engine_waiting_requests",
+            description="Requests queued in the engine, waiting to be admitted.",
+        )
+        self.slots_used = m.Gauge(
+            "lorafleet_adapter_slots_used",
+            description="GPU adapter slots holding an adapter (loaded or loading).",
+        )
+        self.slots_total = m.Gauge(
+            "lorafleet_adapter_slots", description="GPU adapter slots (max_loras_per_batch)."
+        )
+        self.kv_blocks_free = m.Gauge(
+            "lorafleet_kv_blocks_free", description="Free KV cache blocks."
+        )
+        self.kv_blocks_total = m.Gauge("lorafleet_kv_blocks", description="KV cache blocks.")
+        self.steps = m.Counter("lorafleet_engine_steps", description="Engine steps run.")
+        self.loads = m.Counter(
+            "lorafleet_adapter_loads",
+            description=(
+                "Adapter loads by the tier loaded into: host (read from disk) or gpu (copied "
+                "into a GPU slot)."
+            ),
+            tag_keys=("tier",),
+        )
+        self.prefetch_loads = m.Counter(
+            "lorafleet_adapter_prefetch_loads",
+            description="GPU slot loads the prefetcher started ahead of a request's admission.",
+        )
+        self.slot_hits = m.Counter(
+            "lorafleet_adapter_slot_hits",
+            description="Admissions that found their adapter already in a GPU slot.",
+        )
+        self.slot_misses = m.Counter(
+            "lorafleet_adapter_slot_misses",
+            description="Admissions that had to bring their adapter into a GPU slot.",
+        )
+        self.load_latency = m.Histogram(
+            "lorafleet_adapter_load_seconds",
+            description="Time to read an adapter from disk into host memory.",
+            boundaries=LOAD_BUCKETS_S,
+        )
+        self.adapter_wait = m.Histogram(
+            "lorafleet_adapter_wait_seconds",
+            description="Time an adapter request waited for its adapter to reach a GPU slot.",
+            boundaries=WAIT_BUCKETS_S,
+        )
+        self.queue_time = m.Histogram(
+            "lorafleet_queue_seconds",
+            description="Time a request waited in the engine's queue before admission.",
+            boundaries=WAIT_BUCKETS_S,
+            tag_keys=("model_kind",),
+        )
+        # stats() key -> the counter that follows it, and its tags
+        self._counted = {
+            "num_steps": (self.steps, None),
+            "adapter_disk_reads": (self.loads, {"tier": "host"}),
+            "adapter_gpu_loads": (self.loads, {"tier": "gpu"}),
+            "adapter_prefetch_loads": (self.prefetch_loads, None),
+            "adapter_hits": (self.slot_hits, None),
+            "adapter_misses": (self.slot_misses, None),
+        }
+        self._seen: dict[str, int] = {}
+
+    def set_slot_capacity(self, num_slots: int) -> None:
+        self.slots_total.set(num_slots)
+
+    def update(self, stats: dict[str, Any]) -> None:
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.slots_used.set(len(stats["resident_adapters"]))
+        self.kv_blocks_free.set(stats["num_free_kv_blocks"])
+        self.kv_blocks_total.set(stats["num_kv_blocks"])
+        growth = {key: self._growth(key, stats) for key in self._counted}
+        for key, (counter, tags) in self._counted.items():
+            if growth[key] > 0:
+                counter.inc(growth[key], tags=tags)
+        reads = growth["adapter_disk_reads"]
+        # `adapter_read_seconds` is a window of the latest disk-read latencies, one per read
+        # (reads in blocking mode are counted but not timed, so they add none).
+        window = stats.get("adapter_read_seconds", [])
+        for seconds in window[len(window) - min(reads, len(window)) :]:
+            self.load_latency.observe(seconds)
+
+    def _growth(self, key: str, stats: dict[str, Any]) -> int:
+        value = int(stats[key])
+        grown = value - self._seen.get(key, 0)
+        self._seen[key] = value
+        return grown if grown >= 0 else value  # a counter that went back was reset
+
+    def request_finished(self, adapter: bool, metrics: dict[str, float]) -> None:
+        kind = "adapter" if adapter else "base"
+        self.queue_time.observe(metrics.get("queue_s", 0.0), tags={"model_kind": kind})
+        if adapter:
+            self.adapter_wait.observe(metrics.get("adapter_wait_s", 0.0))
+
+
+def _serve_metrics() -> Any:
+    from ray.serve import metrics
+
+    return metrics
+
+
+def _replica_id() -> str:
+    """This replica's id as Serve's metrics and logs name it; "local" outside Serve."""
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return "local"
+
+
+def _serve_context() -> Any:
+    """Serve's replica context (`replica_id`, `app_name`, `deployment`), or None outside Serve."""
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return serve.get_replica_context()
+    except RayServeException:
+        return None
+
+
+def _push_routing_info(replica_id: Any, model_ids: list[str], stats: dict[str, Any]) -> None:
+    """Send Serve's controller this replica's multiplexed model ids and routing stats, the
+    message `@serve.multiplexed` sends for its model ids (Serve has no public call for it; the
+    controller passes both on to every router). Fire-and-forget, but fetching the controller
+    client may block the first time."""
+    from ray.serve._private.common import RequestRoutingInfo
+    from ray.serve.context import _get_global_client
+
+    _get_global_client().record_request_routing_info(
+        RequestRoutingInfo(
+            replica_id=replica_id, multiplexed_model_ids=model_ids, routing_stats=stats
+        )
+    )
+
+
+def _routing_stats(engine: Engine) -> dict[str, Any]:
+    tiers: dict[str, list[str]] = {"gpu": [], "loading": [], "host": []}
+    for name, status in engine.adapter_status().items():
+        tier = tiers.get(status["tier"])
+        if tier is not None and not status["unloading"]:
+            tier.append(name)
+    slots = engine.adapters.slots
+    return {
+        **tiers,
+        "num_slots": slots.num_slots,
+        "free_slots": slots.num_free,
+        "num_waiting": len(engine.scheduler.waiting),
+        "num_running": len(engine.scheduler.running),
+    }
+
+
+def _prefetch_hints(engine: Engine, hints: list[tuple[str, float]]) -> None:
+    for adapter, eta_s in hints:
+        engine.prefetch_hint(adapter, eta_s)
 
 
 def _engine_stats(engine: Engine) -> dict:
@@ -80,9 +394,18 @@ def _engine_stats(engine: Engine) -> dict:
         "adapter_prefetch_loads": stats.prefetch_loads,
         "adapter_hits": stats.hits,
         "adapter_misses": stats.misses,
+        "adapter_read_seconds": list(stats.read_seconds),
         "resident_adapters": engine.adapters.slots.resident,
         "num_free_kv_blocks": engine.blocks.num_free,
         "num_kv_blocks": engine.blocks.num_blocks,
         "num_running": len(engine.scheduler.running),
         "num_waiting": len(engine.scheduler.waiting),
+    }
+
+
+def _served_adapters(engine: Engine) -> dict[str, Any]:
+    manager = engine.adapters
+    return {
+        "adapters": {name: str(path) for name, path in manager.paths.items()},
+        "unloaded": sorted(manager.unloaded),
     }

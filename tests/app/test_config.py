@@ -44,6 +44,18 @@ class TestAppArgs:
             ({"adapters": {"ok": " "}}, "empty path"),
             ({"adapters": {DEMO_MODEL_NAME: "/x"}}, "base model"),
             ({"served_model_name": "mine", "adapters": {"mine": "/x"}}, "base model"),
+            ({"model": "/m", "pinned_adapters": ["gone"]}, "not configured"),
+            (
+                {"model": "/m", "adapters": {"a": "/a"}, "pinned_adapters": ["a", "a"]},
+                "more than once",
+            ),
+            (
+                {"adapters": {"a": "/a", "b": "/b"}, "pinned_adapters": ["a", "b"],
+                 "max_loras_per_batch": 1, "max_loaded_loras": 4},
+                "GPU slots",
+            ),
+            ({"adapter_loading": "prefetch", "enable_prefetch": False}, "contradicts"),
+            ({"adapter_loading": "eager"}, "adapter_loading"),
         ],
     )
     def test_bad_values_are_rejected_with_a_message(self, fields, words):
@@ -77,6 +89,29 @@ class TestAppArgs:
         assert config.adapter_root == "/adapters"
         assert (config.max_lora_rank, config.max_num_seqs, config.max_model_len) == (32, 8, 512)
         assert config.max_loaded_loras == args.max_loaded_loras
+        assert (config.adapter_loading, config.pinned_adapters) == ("prefetch", ())
+
+    @pytest.mark.parametrize(
+        ("fields", "mode"),
+        [
+            ({}, "prefetch"),
+            ({"enable_prefetch": False}, "overlap"),
+            ({"enable_prefetch": False, "adapter_loading": "blocking"}, "blocking"),
+            ({"adapter_loading": "overlap"}, "overlap"),
+        ],
+    )
+    def test_adapter_loading_mode(self, fields, mode):
+        args = AppArgs.model_validate(fields)
+        assert args.to_engine_config("/models/m", "cpu").adapter_loading == mode
+        # Survives the round trip build_app makes.
+        assert AppArgs.model_validate(args.model_dump()).loading_mode == mode
+
+    def test_pinned_adapters_reach_the_engine(self):
+        args = AppArgs(
+            model="/models/m", adapters={"a": "/adapters/a", "b": "/adapters/b"},
+            pinned_adapters=["b"],
+        )
+        assert args.to_engine_config("/models/m", "cuda").pinned_adapters == ("b",)
 
 
 class TestAdapterNames:

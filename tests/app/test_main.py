@@ -112,6 +112,22 @@ class TestBuildApp:
         assert calls == [tmp_path / "cache"]
 
 
+    def test_pinning_a_demo_adapter_is_checked_after_merging(
+        self, model_dir, tmp_path, monkeypatch
+    ):
+        demo_adapter = write_adapter(model_dir, tmp_path / "demo-sql")
+        monkeypatch.setattr(
+            app.demo,
+            "ensure_demo",
+            lambda cache_dir: DemoAssets(model_dir=model_dir, adapters={"demo-sql": demo_adapter}),
+        )
+        args = {"demo_cache_dir": str(tmp_path / "cache"), "device": "cpu"}
+        *_, engine_args, _ = bound(build_app({**args, "pinned_adapters": ["demo-sql"]}))
+        assert engine_args[0].pinned_adapters == ("demo-sql",)
+        with pytest.raises(ValueError, match="not configured"):
+            build_app({**args, "pinned_adapters": ["demo-nope"]})
+
+
 def test_explicit_device_is_kept():
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("cuda") == "cuda"

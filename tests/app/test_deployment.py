@@ -1,0 +1,106 @@
+"""The engine deployment class without a Ray cluster: a real small engine on CPU, metrics into a
+recording backend, and the control-plane methods the ingress broadcasts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replicas.config import EngineConfig
+from replicas.deployment import EngineDeployment, EngineMetrics
+from replicas.engine import RequestRejected
+from replicas.protocol import GenerateRequest
+from replicas.request import SamplingParams
+from tests.app.conftest import FakeMetricsBackend
+from tests.factories import make_adapter, make_model
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deployment")
+    model = make_model(root / "model")
+    adapter = make_adapter(model, root / "sql", rank=4, target_modules=["q_proj", "v_proj"])
+    return model, adapter
+
+
+@pytest.fixture
+async def replica(files):
+    """A deployment built inside the event loop, as Serve builds it: its stats task runs."""
+    model, _ = files
+    backend = FakeMetricsBackend()
+    config = EngineConfig(
+        model=str(model), num_kv_blocks=64, block_size=4, max_lora_rank=8, max_loras_per_batch=2
+    )
+    deployment = EngineDeployment.func_or_class(
+        config, metrics=EngineMetrics(backend), stats_period_s=0.01
+    )
+    yield deployment, backend
+    deployment.__del__()  # what Serve's teardown runs: stops the stats task and the engine
+
+
+async def generate(deployment, request_id: str, adapter: str | None = None):
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    request = GenerateRequest(request_id, [5, 17, 200], sampling, adapter)
+    return [chunk async for chunk in deployment.generate(request)]
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+class TestMetrics:
+    async def test_each_finished_request_is_observed(self, replica, files):
+        deployment, backend = replica
+        await deployment.load_adapter("sql", str(files[1]))
+        base = await generate(deployment, "base")
+        with_adapter = await generate(deployment, "with-adapter", "sql")
+        assert base[-1].finish_reason == with_adapter[-1].finish_reason == "length"
+        queue = backend["lorafleet_queue_seconds"]
+        assert len(queue.values(model_kind="base")) == len(queue.values(model_kind="adapter")) == 1
+        assert len(backend["lorafleet_adapter_wait_seconds"].records) == 1
+        assert all(v >= 0 for v, _ in queue.records)
+
+    async def test_the_stats_task_turns_stats_into_metrics(self, replica, files):
+        deployment, backend = replica
+        await deployment.load_adapter("sql", str(files[1]))
+        await generate(deployment, "r1", "sql")
+        steps = backend["lorafleet_engine_steps"]
+        loads = backend["lorafleet_adapter_loads"]
+        await until(lambda: steps.total() >= 3 and loads.total(tier="gpu") >= 1)
+        assert loads.total(tier="host") == 1
+        assert len(backend["lorafleet_adapter_load_seconds"].records) == 1
+        assert backend["lorafleet_adapter_slots"].values() == [2]
+        assert backend["lorafleet_kv_blocks"].records[-1][0] == 64
+        assert backend["lorafleet_engine_running_requests"].records[-1][0] == 0
+
+
+class TestControlPlane:
+    async def test_undoing_a_load_touches_only_that_load(self, replica, files):
+        deployment, _ = replica
+        await deployment.load_adapter("sql", str(files[1]), False, "load-1")
+        with pytest.raises(RequestRejected) as e:
+            await deployment.unload_adapter("sql", "load-2")
+        assert e.value.status == 404
+        assert "sql" in (await deployment.served_adapters())["adapters"]
+        await deployment.unload_adapter("sql", "load-1")
+        served = await deployment.served_adapters()
+        assert "sql" not in served["adapters"] and "sql" in served["unloaded"]
+
+    async def test_unknown_adapter_unload_is_404(self, replica):
+        deployment, _ = replica
+        with pytest.raises(RequestRejected) as e:
+            await deployment.unload_adapter("nope")
+        assert e.value.status == 404
+
+    async def test_adapter_report_names_the_replica(self, replica, files):
+        deployment, _ = replica
+        await deployment.load_adapter("sql", str(files[1]), True)
+        report = await deployment.adapter_report(5.0)
+        assert report["replica_id"] == "local" and report["error"] is None
+        assert report["adapters"]["sql"]["pinned"] is True
+        assert report["adapters"]["sql"]["tier"] in {"gpu", "loading", "host", "disk"}
