@@ -99,6 +99,8 @@ class Engine:
             self.adapters.unregister(name)
         except AdapterError as e:
             raise RequestRejected(str(e), e.status) from e
+        if all(r.adapter != name for r in self.scheduler.requests()):
+            self.adapters.forget(name)  # nothing uses it: the name is free again at once
 
     def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
         """Someone outside the engine (the router) expects a request for `adapter` in `eta_s`
@@ -120,7 +122,7 @@ class Engine:
         return RequestOutput(request_id, [], request.finish_reason, None, request.num_prompt_tokens)
 
     def step(self) -> list[RequestOutput]:
-        if self.adapters.retired:
+        if self.adapters.retired:  # unloaded while in use: drop once its last request is done
             in_use = {r.adapter for r in self.scheduler.requests()}
             for name in [n for n in self.adapters.retired if n not in in_use]:
                 self.adapters.forget(name)

@@ -124,6 +124,10 @@ class AdapterManager:
         self.retired.pop(name, None)
         self.host.remove(name)
         self._failed.pop(name, None)
+        # A disk read still running is dropped, not collected: a later load of the same name may
+        # point at another folder.
+        self._reads.pop(name, None)
+        self._read_started.pop(name, None)
         if name in self.slots and self.slots.holds(name) == 0:
             self.slots.remove(name)
 

@@ -272,11 +272,6 @@ def test_adapters_listing_shows_tiers_on_each_replica(server):
     assert alpha["size_bytes"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an idle engine keeps an unloaded adapter retired until its next step, so the name "
-    "stays taken; Engine.unload_adapter should forget it at once when no request uses it",
-)
 def test_a_name_can_be_loaded_again_after_unloading(server):
     payload = {"lora_name": "again", "lora_path": str(server["adapters"]["delta"])}
     assert _post(server, "/v1/load_lora_adapter", payload).status_code == 200

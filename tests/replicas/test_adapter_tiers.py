@@ -192,3 +192,13 @@ def test_status_reports_tiers(models, fleet):
     assert status["ad1"]["tier"] == "gpu" and status["ad1"]["rank"] == 4
     assert status["ad0"]["tier"] == "host" and status["ad0"]["size_bytes"] > 0
     assert status["ad4"]["tier"] == "disk"
+
+
+def test_unload_when_idle_frees_the_name_at_once(models, fleet):
+    engine = fleet_engine(models, fleet)
+    engine.prefetch_hint("ad2")  # a disk read may be in flight when the unload comes
+    engine.unload_adapter("ad2")
+    assert "ad2" not in engine.adapter_status()
+    engine.load_adapter("ad2", str(fleet["ad3"]))  # same name, other weights
+    out = run_to_completion(engine, [Request("r", PROMPTS[0], greedy(4), "ad2")])
+    assert out["r"][0] == hf_greedy(models["llama"], PROMPTS[0], 4, adapter_dir=fleet["ad3"])
