@@ -51,6 +51,10 @@ LLAMA3_8B = {
     "max_position_embeddings": 8192,
     "eos_token_id": 128001,
 }
+# `--smoke`: the same code on CPU with a tiny model, to check the benchmark itself runs.
+TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "eos_token_id": 1}
 DISTINCT_FILES = 4  # adapter folders share this many weight files (symlinks) to bound disk use
 
 
@@ -108,7 +112,7 @@ def workload(args, names: list[str], kind: str):
     for i in range(args.num_requests):
         t += rng.expovariate(args.rate)
         n_in = rng.randint(*args.input_len)
-        prompt = [rng.randrange(1000, 100000) for _ in range(n_in)]
+        prompt = [rng.randrange(2, args.vocab_size) for _ in range(n_in)]
         out.append((t, names[picks[i]], prompt, rng.randint(*args.output_len)))
     return out
 
@@ -162,6 +166,24 @@ def run(engine: Engine, requests) -> dict:
     }
 
 
+def warm_up(engine: Engine, names: list[str], args) -> None:
+    """Run every kernel shape the measured run will meet (a burst over all slots, then requests
+    one at a time), so that Triton's compilation stays out of the figures; then zero the
+    adapter counters."""
+    rng = random.Random(args.seed + 1)
+    burst = min(64, 4 * args.slots)
+    lengths = [args.input_len[0], args.input_len[1], *(rng.randint(*args.input_len)
+                                                      for _ in range(burst))]
+    requests = [
+        (0.0 if i < burst else 0.05 * (i - burst), names[i % len(names)],
+         [rng.randrange(2, args.vocab_size) for _ in range(n)], 4)
+        for i, n in enumerate(lengths + lengths[:8])
+    ]
+    run(engine, requests)
+    stats = engine.adapters.stats
+    stats.gpu_loads = stats.prefetch_loads = stats.hits = stats.misses = 0
+
+
 def copy_bandwidth(engine: Engine, adapter: str) -> dict:
     """Host->GPU adapter write on the load stream vs a plain pinned copy of the same bytes."""
     manager = engine.adapters
@@ -197,6 +219,18 @@ def copy_bandwidth(engine: Engine, adapter: str) -> dict:
     }
 
 
+def parse_published(text: str | None) -> tuple[str, dict[str, float]] | None:
+    """'SGLang:ttft_p50_ms=62.65,itl_p50_ms=22.68' -> ("SGLang", {"ttft_p50_ms": 62.65, ...})."""
+    if not text:
+        return None
+    source, _, pairs = text.partition(":")
+    figures = {}
+    for pair in pairs.split(","):
+        key, _, value = pair.partition("=")
+        figures[key.strip()] = float(value)
+    return source.strip(), figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-adapters", type=int, default=32)
@@ -213,10 +247,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the code")
+    ap.add_argument(
+        "--published",
+        default=None,
+        help="figures published elsewhere for this shape, e.g. 'SGLang:ttft_p50_ms=62.65,"
+        "itl_p50_ms=22.68': each row gets its ratio to them",
+    )
     args = ap.parse_args()
+    model_config = TINY if args.smoke else LLAMA3_8B
+    args.vocab_size = model_config["vocab_size"]
+    device = "cpu" if args.smoke else "cuda"
     root = Path(tempfile.mkdtemp(prefix="churn-"))
     (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (root / "model" / "config.json").write_text(json.dumps(model_config))
     spec = ModelSpec.from_dir(root / "model")
     names = [f"lora-{i}" for i in range(args.num_adapters)]
     fleet = write_fleet(root, spec, names, args.rank)
@@ -226,7 +270,7 @@ def main() -> None:
             EngineConfig(
                 model=str(root / "model"),
                 load_format="dummy",
-                device="cuda",
+                device=device,
                 max_loras_per_batch=slots,
                 max_lora_rank=args.rank,
                 max_loaded_loras=args.num_adapters,
@@ -245,7 +289,9 @@ def main() -> None:
         if args.resident:
             configs.append(("resident", args.num_adapters))
         for mode, slots in configs:
+            built = time.monotonic()
             e = engine("prefetch" if mode == "resident" else mode, slots)
+            print(f"engine for {mode} built in {time.monotonic() - built:.1f} s", flush=True)
             # Every adapter read into host memory first: the runs measure slot churn.
             for name in names:
                 while not e.adapters.prepare(name):
@@ -254,18 +300,20 @@ def main() -> None:
                 for name in names:
                     e.adapters.acquire(name)
                     e.adapters.release(name)
-                torch.cuda.synchronize()
-            if copy is None:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            if copy is None and device == "cuda":
                 copy = copy_bandwidth(e, names[0])
                 print("copy", copy, flush=True)
-            e.adapters.stats.gpu_loads = e.adapters.stats.prefetch_loads = 0
+            warm_up(e, names, args)
             result = run(e, requests)
             rows.append({"popularity": kind, "mode": mode, **result})
             print(rows[-1], flush=True)
             e.adapters.shutdown()
             del e
             gc.collect()
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
         base = {r["mode"]: r for r in rows if r["popularity"] == kind}
         if "blocking" in base and "prefetch" in base:
             for r in rows:
@@ -276,6 +324,12 @@ def main() -> None:
                     )
                     if "resident" in base:
                         r["churn_penalty"] = r["ttft_p50_ms"] / base["resident"]["ttft_p50_ms"]
+    published = parse_published(args.published)
+    if published is not None:
+        source, figures = published
+        for r in rows:
+            for key, value in figures.items():
+                r[f"{key}_vs_{source}"] = r[key] / value
     name = args.name or f"churn_{args.num_adapters}x_r{args.rank}"
     cols = [
         "popularity",
@@ -293,6 +347,8 @@ def main() -> None:
         "throughput_vs_blocking",
         "churn_penalty",
     ]
+    if published is not None:
+        cols += [f"{key}_vs_{published[0]}" for key in published[1]]
     write_results(
         args.out,
         name,
@@ -301,7 +357,11 @@ def main() -> None:
         "modes against blocking loads (A) in the same run; churn penalty against all-resident",
         cols,
         rows,
-        {"copy_bandwidth": copy, "args": {k: str(v) for k, v in vars(args).items()}},
+        {
+            "copy_bandwidth": copy,
+            "published": args.published,
+            "args": {k: str(v) for k, v in vars(args).items()},
+        },
     )
 
 

@@ -27,6 +27,14 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+PACK_OVERHEAD = 1.25  # pack an adapter per layer only if zeros add at most this much host memory
+
+
+def _region(buf: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
+    """[num_slots, *shape] view of columns offset.. of a [num_slots, slot_elems] buffer."""
+    return buf[:, offset : offset + shape[0] * shape[1]].view(buf.shape[0], *shape)
+
+
 class LoraWeightPool:
     def __init__(
         self,
@@ -42,27 +50,36 @@ class LoraWeightPool:
         self.max_rank = max_rank
         self.device = device
         self.backend = backend
-        self._shrink, self._expand = get_backend(backend)
+        self._ops = get_backend(backend)
+        self.dtype = dtype
+        # One buffer per layer, [num_slots, slot_elems]: a slot's weights for a layer are one
+        # contiguous run (every group's A then B), so an adapter packed the same way on the host
+        # (`pack`) reaches its slot in one copy per layer. The group tensors are views.
         self.out_offsets: dict[str, tuple[int, ...]] = {}
-        self.a: list[dict[str, torch.Tensor]] = []
-        self.b: list[dict[str, torch.Tensor]] = []
-        for _ in range(spec.num_layers):
-            a_layer, b_layer = {}, {}
-            for group, targets in LORA_GROUPS.items():
-                d_in = spec.lora_dims(targets[0])[0]
-                outs = [spec.lora_dims(t)[1] for t in targets]
-                a_layer[group] = torch.zeros(
-                    num_slots, len(targets) * max_rank, d_in, dtype=dtype, device=device
-                )
-                b_layer[group] = torch.zeros(
-                    num_slots, sum(outs), max_rank, dtype=dtype, device=device
-                )
-                offsets = [0]
-                for o in outs:
-                    offsets.append(offsets[-1] + o)
-                self.out_offsets[group] = tuple(offsets)
-            self.a.append(a_layer)
-            self.b.append(b_layer)
+        self.regions: dict[str, tuple[int, tuple[int, int], int, tuple[int, int]]] = {}
+        offset = 0
+        for group, targets in LORA_GROUPS.items():
+            d_in = spec.lora_dims(targets[0])[0]
+            outs = [spec.lora_dims(t)[1] for t in targets]
+            offsets = [0]
+            for o in outs:
+                offsets.append(offsets[-1] + o)
+            self.out_offsets[group] = tuple(offsets)
+            a_shape, b_shape = (len(targets) * max_rank, d_in), (sum(outs), max_rank)
+            self.regions[group] = (offset, a_shape, offset + a_shape[0] * d_in, b_shape)
+            offset += a_shape[0] * a_shape[1] + b_shape[0] * b_shape[1]
+        self.slot_elems = offset
+        self.layers = [
+            torch.zeros(num_slots, self.slot_elems, dtype=dtype, device=device)
+            for _ in range(spec.num_layers)
+        ]
+        self.a: list[dict[str, torch.Tensor]] = []  # [S, n*R, in] per group
+        self.b: list[dict[str, torch.Tensor]] = []  # [S, sum(out), R] per group
+        for buf in self.layers:
+            self.a.append({g: _region(buf, a_off, a_shape)
+                           for g, (a_off, a_shape, _, _) in self.regions.items()})
+            self.b.append({g: _region(buf, b_off, b_shape)
+                           for g, (_, _, b_off, b_shape) in self.regions.items()})
         self.ranks_host = [0] * num_slots
         self.scalings_host = [0.0] * num_slots
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
@@ -70,7 +87,40 @@ class LoraWeightPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.a + self.b for t in layer.values())
+        return sum(t.nbytes for t in self.layers)
+
+    def pack(self, weights: AdapterWeights) -> AdapterWeights:
+        """The adapter in pinned host memory, ready for `write`. When every module has the pool's
+        max rank and the slot layout wastes little (untargeted projections are zeros in it), the
+        weights are packed into one buffer per layer in the slot's layout; a write is then one
+        copy per layer, near the full host->device bandwidth, instead of two per module."""
+        R = self.max_rank
+        packed_bytes = self.spec.num_layers * self.slot_elems * self.layers[0].element_size()
+        if (
+            any(a.shape[0] != R for a, _ in weights.modules.values())
+            or packed_bytes > PACK_OVERHEAD * weights.nbytes
+        ):
+            return weights.pinned() if self.device.type == "cuda" else weights
+        layers, modules = [], {}
+        pin = self.device.type == "cuda"
+        for layer in range(self.spec.num_layers):
+            buf = torch.zeros(self.slot_elems, dtype=self.dtype, pin_memory=pin)
+            for group, targets in LORA_GROUPS.items():
+                a_off, a_shape, b_off, b_shape = self.regions[group]
+                a_all = buf[a_off : a_off + a_shape[0] * a_shape[1]].view(a_shape)
+                b_all = buf[b_off : b_off + b_shape[0] * b_shape[1]].view(b_shape)
+                offsets = self.out_offsets[group]
+                for i, target in enumerate(targets):
+                    pair = weights.modules.get((layer, target))
+                    if pair is None:
+                        continue
+                    a = a_all[i * R : (i + 1) * R]
+                    b = b_all[offsets[i] : offsets[i + 1]]
+                    a.copy_(pair[0])
+                    b.copy_(pair[1])
+                    modules[(layer, target)] = (a, b)
+            layers.append(buf)
+        return AdapterWeights(weights.name, weights.rank, weights.scaling, modules, tuple(layers))
 
     def write(
         self, slot: int, weights: AdapterWeights, stream: torch.cuda.Stream | None = None
@@ -90,7 +140,15 @@ class LoraWeightPool:
         with ctx:
             self.ranks[slot] = weights.rank
             self.scalings[slot] = weights.scaling
+            packed = weights.layers is not None and weights.layers[0].numel() == self.slot_elems
             for layer in range(self.spec.num_layers):
+                if packed:  # the whole layer, zeros past each module's rank included
+                    self.layers[layer][slot].copy_(weights.layers[layer], non_blocking=True)
+                    if events is not None:
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                        events.append(event)
+                    continue
                 for group, targets in LORA_GROUPS.items():
                     a, b = self.a[layer][group][slot], self.b[layer][group][slot]
                     offsets = self.out_offsets[group]
@@ -144,6 +202,6 @@ class LoraWeightPool:
         """y [T, sum(out)] += LoRA delta of `group` for the tokens in `batch`'s segments."""
         if batch.empty:
             return
-        n = len(LORA_GROUPS[group])
-        h = self._shrink(x, self.a[layer][group], batch, n)
-        self._expand(h, self.b[layer][group], batch, y, self.out_offsets[group])
+        self._ops.apply(
+            x, self.a[layer][group], self.b[layer][group], batch, y, self.out_offsets[group]
+        )

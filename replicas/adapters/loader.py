@@ -63,9 +63,14 @@ class AdapterWeights:
     rank: int  # the largest rank over its modules
     scaling: float
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # Set by `LoraWeightPool.pack`: one buffer per layer laid out as that pool's slot, so a
+    # layer goes to the device in one copy. `modules` are then views into these buffers.
+    layers: tuple[torch.Tensor, ...] | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.layers is not None:
+            return sum(t.nbytes for t in self.layers)
         return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
 
     def pinned(self) -> AdapterWeights:

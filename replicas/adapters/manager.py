@@ -258,7 +258,7 @@ class AdapterManager:
             weights = load_adapter(adapter, path, self.spec, self.max_lora_rank, self.dtype)
         except AdapterError as e:
             raise AdapterLoadError(str(e)) from e
-        return weights.pinned() if self.on_cuda else weights
+        return self.weights.pack(weights) if self.on_cuda else weights
 
     def _start_read(self, adapter: str) -> None:
         if adapter in self._reads:

@@ -1,6 +1,7 @@
 """Adapter tiers, loading modes and management, on CPU: outputs still equal PEFT while adapters
 churn through fewer slots than adapters, and no slot is overwritten while a request uses it."""
 
+import threading
 import time
 
 import pytest
@@ -95,10 +96,11 @@ def test_ready_requests_keep_running_while_a_cold_adapter_loads(models, fleet):
     engine = fleet_engine(models, fleet, adapter_loading="overlap")
     manager = engine.adapters
     real_read = manager._read
+    release = threading.Event()  # ad1's disk read finishes only when the test says so
 
     def slow_read(adapter, path):
         if adapter == "ad1":
-            time.sleep(1.0)
+            release.wait(30)
         return real_read(adapter, path)
 
     manager._read = slow_read
@@ -114,6 +116,8 @@ def test_ready_requests_keep_running_while_a_cold_adapter_loads(models, fleet):
         for out in engine.step():
             if out.new_token_ids:
                 first_token_step.setdefault(out.request_id, step)
+        if not {"hot", "base"} & {r.request_id for r in engine.scheduler.requests()}:
+            release.set()
         if engine.stalled:
             time.sleep(0.001)
     assert first_token_step["hot"] == first_token_step["base"] == 1

@@ -108,3 +108,43 @@ def test_adapters_on_other_architectures(models, tmp_path, arch):
                                          Request("y", prompt, greedy(8))])
     assert results["x"][0] == hf_greedy(models[arch], prompt, 8, adapter_dir=path)
     assert results["y"][0] == hf_greedy(models[arch], prompt, 8)
+
+
+class TestPackedWrites:
+    """An adapter packed in the slot layout goes to its slot one copy per layer and leaves the
+    slot exactly as the module-by-module write does, over whatever the slot held before."""
+
+    def _pool_and_weights(self, models, tmp_path, rank, targets):
+        from replicas.adapters.loader import load_adapter
+        from replicas.lora import LoraWeightPool
+        from replicas.models.spec import ModelSpec
+
+        spec = ModelSpec.from_dir(models["llama"])
+        pool = LoraWeightPool(spec, 3, 8, torch.float32, torch.device("cpu"))
+        path = make_adapter(models["llama"], tmp_path / f"r{rank}", rank=rank,
+                            target_modules=targets, seed=rank)
+        return pool, load_adapter("x", path, spec, 8)
+
+    def test_packed_write_equals_module_write(self, models, tmp_path):
+        pool, weights = self._pool_and_weights(models, tmp_path, 8, ALL)
+        packed = pool.pack(weights)
+        assert packed.layers is not None and len(packed.layers) == pool.spec.num_layers
+        assert packed.modules.keys() == weights.modules.keys()
+        for key, (a, b) in weights.modules.items():
+            assert torch.equal(packed.modules[key][0], a) and torch.equal(packed.modules[key][1], b)
+        _, small = self._pool_and_weights(models, tmp_path, 4, ["q_proj", "down_proj"])
+        for layer in pool.layers:  # poison: every value left in the slot must come from a write
+            layer.fill_(float("nan"))
+        pool.write(1, small)  # the slot held another adapter before
+        pool.write(1, packed)
+        module_pool = type(pool)(pool.spec, 3, 8, torch.float32, torch.device("cpu"))
+        module_pool.write(1, weights)
+        for got, want in zip(pool.layers, module_pool.layers, strict=True):
+            assert torch.equal(got[1], want[1])
+        assert pool.layers[0][0].isnan().all()  # other slots untouched
+
+    def test_lower_rank_or_sparse_adapters_stay_unpacked(self, models, tmp_path):
+        pool, low_rank = self._pool_and_weights(models, tmp_path, 4, ALL)
+        assert pool.pack(low_rank).layers is None
+        _, sparse = self._pool_and_weights(models, tmp_path, 8, ["q_proj"])
+        assert pool.pack(sparse).layers is None  # mostly zeros in the slot layout
