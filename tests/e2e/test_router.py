@@ -62,7 +62,10 @@ def cluster(tmp_path_factory):
     model = make_model(root / "model")
     adapters = {
         f"lora{i}": make_adapter(
-            model, root / f"lora{i}", rank=2 + 2 * (i % 3), target_modules=TARGETS[i % 3],
+            model,
+            root / f"lora{i}",
+            rank=2 + 2 * (i % 3),
+            target_modules=TARGETS[i % 3],
             seed=10 + i,
         )
         for i in range(NUM_ADAPTERS)
@@ -80,26 +83,35 @@ def _deploy(cluster, router: str) -> None:
 
     from app.main import build_app
 
-    app = build_app({
-        "model": str(cluster["model"]),
-        "served_model_name": "tiny",
-        "adapters": {name: str(path) for name, path in cluster["adapters"].items()},
-        "device": "cpu",
-        "num_replicas": 3,
-        "max_loras_per_batch": 2,
-        "max_loaded_loras": 4,
-        "max_lora_rank": 8,
-        "max_model_len": 64,
-        "router": router,
-    })
+    app = build_app(
+        {
+            "model": str(cluster["model"]),
+            "served_model_name": "tiny",
+            "adapters": {name: str(path) for name, path in cluster["adapters"].items()},
+            "device": "cpu",
+            "num_replicas": 3,
+            "max_loras_per_batch": 2,
+            "max_loaded_loras": 4,
+            "max_lora_rank": 8,
+            "max_model_len": 64,
+            "router": router,
+        }
+    )
     serve.run(app, name=APP, route_prefix="/")
 
 
 async def _run_workload(url: str) -> list[tuple[str, list[int], str]]:
     async def one(client, adapter, prompt):
-        r = await client.post("/v1/completions", json={
-            "model": adapter, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True})
+        r = await client.post(
+            "/v1/completions",
+            json={
+                "model": adapter,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200, r.text
         return adapter, prompt, r.json()["choices"][0]["text"]
 
@@ -160,8 +172,9 @@ def test_affinity_loads_fewer_adapters_than_pow2_and_both_match_peft(cluster):
 
     # Six GPU slots for nine adapters. Serve's router sends a burst for an adapter that no
     # replica reports yet to random replicas, each loading it; affinity keeps the burst on one.
-    print(f"pow2: {pow2['gpu_loads']} GPU loads, {pow2['disk_reads']} disk reads, "
-          f"hit rate {pow2['hit_rate']:.2f}; affinity: {affinity['gpu_loads']} GPU loads, "
-          f"{affinity['disk_reads']} disk reads, hit rate {affinity['hit_rate']:.2f}")
-    assert affinity["gpu_loads"] < pow2["gpu_loads"]
-    assert affinity["disk_reads"] < pow2["disk_reads"]
+    summary = {
+        name: {key: run[key] for key in ("gpu_loads", "disk_reads", "hit_rate")}
+        for name, run in (("pow2", pow2), ("affinity", affinity))
+    }
+    assert affinity["gpu_loads"] < pow2["gpu_loads"], summary
+    assert affinity["disk_reads"] < pow2["disk_reads"], summary

@@ -1,0 +1,406 @@
+"""Routing policy: which replica should serve a request for a given adapter. Plain Python: no
+Ray, no torch. `router.serve_router` applies it inside Ray Serve; `router.simulator` replays
+workloads through it.
+
+A policy answers `rank(adapter, replicas)` with the replica ids in ranked tiers, best tier first,
+every id exactly once. The caller sends to the replica with the shortest queue among those with
+room in the first tier that has any (Ray Serve's rule), so a tier of one replica is an exact
+order and a tier of several leaves the choice among them to queue length.
+
+`AffinityPolicy` places an adapter where it already is (GPU slot, loading, host memory), breaks
+ties by rendezvous hashing so every router instance picks the same home for a cold adapter,
+widens an adapter's home to more replicas while its demand exceeds one replica's share, and
+never ranks a replica loaded beyond `imbalance_bound` × the fleet mean ahead of one that is not
+(consistent hashing with bounded loads, applied to the adapter's placement order).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What a router knows about one replica at decision time."""
+
+    replica_id: str
+    gpu: frozenset[str] = frozenset()  # adapters resident in GPU slots
+    loading: frozenset[str] = frozenset()  # adapters being loaded to GPU
+    host: frozenset[str] = frozenset()  # adapters in the pinned host cache
+    num_slots: int = 8  # GPU adapter slots (max_loras_per_batch)
+    free_slots: int = 8  # slots holding nothing (no eviction needed)
+    queue_len: int = 0  # requests waiting + running there (router's best estimate)
+    tokens_in_flight: int = 0  # optional load signal (prompt+max tokens outstanding)
+
+
+class Tier(IntEnum):
+    """Where an adapter is on one replica, best first: what serving it there costs."""
+
+    GPU = 0  # resident: no load
+    LOADING = 1  # a load is already under way
+    HOST = 2  # host→GPU copy (about 1.5 ms for a rank-16 Llama-3-8B adapter)
+    FREE_SLOT = 3  # disk read + copy, no eviction
+    EVICT = 4  # disk read + copy, and another adapter loses its slot
+
+
+class RoutingPolicy(Protocol):
+    def rank(self, adapter: str | None, replicas: Sequence[ReplicaView]) -> list[list[str]]:
+        """Replica ids in ranked tiers, best tier first; every replica id appears exactly once.
+        The caller sends to the first replica with room in the first tier that has one
+        (Ray Serve takes the shortest queue within a tier)."""
+        ...
+
+    def on_routed(self, adapter: str | None, replica_id: str) -> None:
+        """The caller sent a request for `adapter` to `replica_id`."""
+        ...
+
+    def on_finished(self, adapter: str | None, replica_id: str) -> None:
+        """A request previously reported to `on_routed` finished (or failed)."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Stable hashing. Python's hash() is salted per process, so two router instances would disagree;
+# a keyed digest from hashlib is the same everywhere.
+
+_MASK64 = (1 << 64) - 1
+
+
+def stable_hash(key: str) -> int:
+    """64-bit hash of `key`, identical in every process."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def _mix(x: int) -> int:
+    # splitmix64 finaliser: spreads the bits of a combined key over the whole word, so a
+    # rendezvous weight built from two digests behaves like a digest of the pair.
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class Rendezvous:
+    """Highest-random-weight order of replicas for a key, cached per key.
+
+    weight(key, replica) = mix(h(key) ^ rotl(h(replica))): one digest per key and one per
+    replica, then integer arithmetic per pair, so ordering 256 replicas costs no hashing.
+    The order depends only on the set of replica ids, never on the order they are given in.
+    """
+
+    def __init__(self, cache_size: int = 4096) -> None:
+        self._replica_hash: dict[str, int] = {}
+        self._orders: OrderedDict[tuple[str, frozenset[str]], list[str]] = OrderedDict()
+        self._cache_size = cache_size
+
+    def _rhash(self, replica_id: str) -> int:
+        h = self._replica_hash.get(replica_id)
+        if h is None:
+            h = stable_hash("replica\0" + replica_id)
+            h = ((h << 17) | (h >> 47)) & _MASK64
+            self._replica_hash[replica_id] = h
+        return h
+
+    def order(self, key: str, replica_ids: frozenset[str]) -> list[str]:
+        """`replica_ids` from highest weight to lowest (ties, vanishingly rare, by id)."""
+        cache_key = (key, replica_ids)
+        cached = self._orders.get(cache_key)
+        if cached is not None:
+            self._orders.move_to_end(cache_key)
+            return cached
+        kh = stable_hash("adapter\0" + key)
+        order = sorted(replica_ids, key=lambda r: (-_mix(kh ^ self._rhash(r)), r))
+        self._orders[cache_key] = order
+        if len(self._orders) > self._cache_size:
+            self._orders.popitem(last=False)
+        return order
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class AffinityPolicy:
+    """Adapter-affinity routing with bounded load.
+
+    For an adapter `a`:
+    1. Each replica gets a `Tier` from the view (GPU, loading, host), overridden by the policy's
+       own record: a replica holding outstanding requests for `a` that this policy sent is at
+       least LOADING there, however stale the view.
+    2. The placement order is (tier, rendezvous rank of the replica for `a`): where `a` already
+       is comes first, and among equals every router instance agrees.
+    3. A replica is overloaded when load + 1 > max(imbalance_bound × m, m + load_slack), m being
+       the mean load counting the request being placed; overloaded replicas go last, in
+       placement order among themselves.
+    4. `a`'s home is the first k non-overloaded replicas of the placement order, with
+       k = ceil(outstanding(a) / spread_threshold): one tier, balanced by queue length. As
+       demand falls k shrinks and replicas past the home stop receiving `a`, so its slots there
+       age out.
+    5. The remaining non-overloaded replicas follow one per tier, in placement order: overflow
+       goes to the next replica that has `a`, else the next by hash, never to a random one.
+
+    `adapter=None` (the base model) needs no slot: replicas are ranked by load alone.
+
+    Deterministic: given the same views and the same history of on_routed/on_finished calls,
+    two instances return the same ranking.
+    """
+
+    def __init__(
+        self,
+        *,
+        imbalance_bound: float = 1.25,
+        spread_threshold: float | None = None,
+        load_slack: float = 2.0,
+        tokens_per_request: float | None = None,
+        min_spread_threshold: float = 4.0,
+    ) -> None:
+        """
+        imbalance_bound: a replica whose load exceeds this multiple of the fleet mean (plus
+            `load_slack`) is demoted behind every replica that does not.
+        spread_threshold: outstanding requests of one adapter per replica of its home; None
+            adapts it to the fleet's mean load per replica (at least `min_spread_threshold`),
+            so an adapter gets one replica per replica's worth of demand.
+        load_slack: additive room so that tiny loads (0 vs 1 request) never count as imbalance;
+            it stops mattering once the mean load exceeds load_slack / (imbalance_bound - 1).
+        tokens_per_request: when set, load = max(queue_len, tokens_in_flight / this), which
+            weighs long requests more than short ones; else load = queue_len.
+        """
+        if imbalance_bound < 1.0:
+            raise ValueError("imbalance_bound below 1 would demote every replica")
+        if spread_threshold is not None and spread_threshold <= 0:
+            raise ValueError("spread_threshold must be positive")
+        self.imbalance_bound = imbalance_bound
+        self.spread_threshold = spread_threshold
+        self.load_slack = load_slack
+        self.tokens_per_request = tokens_per_request
+        self.min_spread_threshold = min_spread_threshold
+        self._hrw = Rendezvous()
+        # Requests this policy sent and has not seen finish: per (adapter, replica) and per
+        # adapter. The replica's stats arrive every period; this fills the gap.
+        self._outstanding: dict[tuple[str, str], int] = defaultdict(int)
+        self._demand: dict[str, int] = defaultdict(int)
+
+    # -- own record ---------------------------------------------------------------------------
+
+    def on_routed(self, adapter: str | None, replica_id: str) -> None:
+        if adapter is None:
+            return
+        self._outstanding[adapter, replica_id] += 1
+        self._demand[adapter] += 1
+
+    def on_finished(self, adapter: str | None, replica_id: str) -> None:
+        if adapter is None:
+            return
+        key = (adapter, replica_id)
+        if self._outstanding.get(key, 0) <= 0:
+            return  # unknown to us (routed before a restart): nothing to undo
+        self._outstanding[key] -= 1
+        if self._outstanding[key] == 0:
+            del self._outstanding[key]
+        self._demand[adapter] -= 1
+        if self._demand[adapter] == 0:
+            del self._demand[adapter]
+
+    def demand(self, adapter: str) -> int:
+        """Outstanding requests for `adapter` that this policy routed."""
+        return self._demand.get(adapter, 0)
+
+    # -- ranking ------------------------------------------------------------------------------
+
+    def _load(self, view: ReplicaView) -> float:
+        if self.tokens_per_request:
+            return max(float(view.queue_len), view.tokens_in_flight / self.tokens_per_request)
+        return float(view.queue_len)
+
+    def tier(self, adapter: str, view: ReplicaView) -> Tier:
+        """Where `adapter` is on this replica, as far as this policy knows."""
+        if adapter in view.gpu:
+            return Tier.GPU
+        if adapter in view.loading or (adapter, view.replica_id) in self._outstanding:
+            return Tier.LOADING
+        if adapter in view.host:
+            return Tier.HOST
+        if view.free_slots > 0:
+            return Tier.FREE_SLOT
+        return Tier.EVICT
+
+    def num_home(self, adapter: str, mean_load: float, n: int) -> int:
+        """How many replicas `adapter`'s demand (counting the request being routed) needs."""
+        threshold = self.spread_threshold
+        if threshold is None:
+            threshold = max(self.min_spread_threshold, mean_load)
+        return max(1, min(n, math.ceil((self.demand(adapter) + 1) / threshold)))
+
+    def rank(self, adapter: str | None, replicas: Sequence[ReplicaView]) -> list[list[str]]:
+        n = len(replicas)
+        if n == 0:
+            return []
+        by_id = {v.replica_id: v for v in replicas}
+        if len(by_id) != n:
+            raise ValueError("replica ids must be unique")
+        loads = {rid: self._load(v) for rid, v in by_id.items()}
+        total = sum(loads.values())
+        mean = total / n
+        # The request being placed counts, so an empty fleet never demotes anyone; the additive
+        # slack matters only while loads are a few requests, where ratios mean nothing.
+        mean_after = (total + 1) / n
+        bound = max(self.imbalance_bound * mean_after, mean_after + self.load_slack)
+        hrw = self._hrw.order("" if adapter is None else adapter, frozenset(by_id))
+
+        if adapter is None:
+            # Base model: no slot to find. Least loaded first; hash order breaks ties stably.
+            pos = {rid: i for i, rid in enumerate(hrw)}
+            return [[rid] for rid in sorted(hrw, key=lambda r: (loads[r], pos[r]))]
+
+        # Placement order: bucket by tier, each bucket already in rendezvous order.
+        buckets: list[list[str]] = [[] for _ in Tier]
+        for rid in hrw:
+            buckets[self.tier(adapter, by_id[rid])].append(rid)
+        placement = [rid for bucket in buckets for rid in bucket]
+
+        fit = [rid for rid in placement if loads[rid] + 1 <= bound]
+        over = [rid for rid in placement if loads[rid] + 1 > bound]
+        k = self.num_home(adapter, mean, n)
+        tiers = [fit[:k]] if fit else []
+        tiers += [[rid] for rid in fit[k:]]
+        tiers += [[rid] for rid in over]
+        return tiers
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines (same protocol), for the simulator and the benchmark.
+
+
+class PowerOfTwoPolicy:
+    """Ray Serve's default router with multiplexing, as seen through `rank`.
+
+    Ray's PowerOfTwoChoicesRequestRouter takes candidates from its multiplex mixin: the replicas
+    that report the model id as loaded (we report GPU-resident adapters there); when none does
+    (or those turned the request away), the replicas with the fewest loaded models; then any
+    replica. From the candidates it samples two at random and sends to the shorter queue.
+    Tiers here: the random pair from the matching replicas (or, with no match, from the fewest-
+    models ones), then a random pair from the fewest-models ones, then a random pair from all,
+    then the remaining replicas (one tier, so the caller still takes the shortest queue).
+    It keeps no record of its own: routed requests change only the queue lengths it is shown.
+    """
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def _pair(self, candidates: list[str], taken: set[str]) -> list[str]:
+        pool = [rid for rid in candidates if rid not in taken]
+        if len(pool) <= 2:
+            self._rng.shuffle(pool)
+            return pool
+        i = self._rng.randrange(len(pool))
+        j = self._rng.randrange(len(pool) - 1)
+        j += j >= i
+        return [pool[i], pool[j]]
+
+    def rank(self, adapter: str | None, replicas: Sequence[ReplicaView]) -> list[list[str]]:
+        ids = [v.replica_id for v in replicas]
+        if not ids:
+            return []
+        fewest_count = min(len(v.gpu) for v in replicas)
+        fewest = [v.replica_id for v in replicas if len(v.gpu) == fewest_count]
+        matched = [v.replica_id for v in replicas if adapter is not None and adapter in v.gpu]
+        if adapter is None:
+            stages = [ids]
+        else:
+            stages = [matched or fewest, fewest, ids]
+        tiers: list[list[str]] = []
+        taken: set[str] = set()
+        for candidates in stages:
+            pair = self._pair(candidates, taken)
+            if pair:
+                tiers.append(pair)
+                taken.update(pair)
+        rest = [rid for rid in ids if rid not in taken]
+        if rest:
+            tiers.append(rest)
+        return tiers
+
+    def on_routed(self, adapter: str | None, replica_id: str) -> None:
+        pass
+
+    def on_finished(self, adapter: str | None, replica_id: str) -> None:
+        pass
+
+
+class RoundRobinPolicy:
+    """Each request to the next replica in id order, ignoring adapters and load."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def rank(self, adapter: str | None, replicas: Sequence[ReplicaView]) -> list[list[str]]:
+        ids = sorted(v.replica_id for v in replicas)
+        if not ids:
+            return []
+        start = self._next % len(ids)
+        self._next += 1
+        return [[rid] for rid in ids[start:] + ids[:start]]
+
+    def on_routed(self, adapter: str | None, replica_id: str) -> None:
+        pass
+
+    def on_finished(self, adapter: str | None, replica_id: str) -> None:
+        pass
+
+
+class ConsistentHashPolicy:
+    """A hash ring with `virtual_nodes` points per replica: an adapter goes to the first replica
+    clockwise from its hash, then the next distinct ones, ignoring load and residency.
+    The base model (`None`) has no key to hash and goes round robin."""
+
+    def __init__(self, *, virtual_nodes: int = 64) -> None:
+        if virtual_nodes < 1:
+            raise ValueError("virtual_nodes must be at least 1")
+        self.virtual_nodes = virtual_nodes
+        self._ring_ids: frozenset[str] = frozenset()
+        self._ring: list[tuple[int, str]] = []
+        self._orders: dict[str, list[str]] = {}
+        self._round_robin = RoundRobinPolicy()
+
+    def _build(self, ids: frozenset[str]) -> None:
+        self._ring = sorted(
+            (stable_hash(f"{rid}#{i}"), rid) for rid in ids for i in range(self.virtual_nodes)
+        )
+        self._ring_ids = ids
+        self._orders = {}
+
+    def order(self, adapter: str, ids: frozenset[str]) -> list[str]:
+        if ids != self._ring_ids:
+            self._build(ids)
+        cached = self._orders.get(adapter)
+        if cached is not None:
+            return cached
+        start = bisect.bisect_left(self._ring, (stable_hash(adapter), ""))
+        seen: dict[str, None] = {}
+        for i in range(len(self._ring)):
+            rid = self._ring[(start + i) % len(self._ring)][1]
+            seen.setdefault(rid)
+            if len(seen) == len(ids):
+                break
+        self._orders[adapter] = order = list(seen)
+        return order
+
+    def rank(self, adapter: str | None, replicas: Sequence[ReplicaView]) -> list[list[str]]:
+        if adapter is None:
+            return self._round_robin.rank(None, replicas)
+        ids = frozenset(v.replica_id for v in replicas)
+        if not ids:
+            return []
+        return [[rid] for rid in self.order(adapter, ids)]
+
+    def on_routed(self, adapter: str | None, replica_id: str) -> None:
+        pass
+
+    def on_finished(self, adapter: str | None, replica_id: str) -> None:
+        pass
