@@ -9,6 +9,16 @@ Each step mixes decodes and prefill chunks under a token budget:
    had now, the request stays waiting and later requests may pass it only when they need no new
    slot (the base model, or an adapter already resident), so the blocked request gets the next
    slot that frees up instead of being starved by newcomers.
+
+Joint prefills. Admission asks only that an adapter's weights be in host memory and that it
+hold a slot; it does not wait for the host->GPU copy to finish. The copy runs on the load stream
+with one event per layer, and the step's layer L waits only for layer L. So requests for several
+cold adapters that arrive close together are admitted in the same step and prefilled as one
+mixed-adapter batch (SGMV serves every adapter in one launch), instead of one small prefill per
+adapter as each copy completes; the token budget is the only thing that splits them. We chose
+this over holding ready requests back to gather more: a hold costs every request its wait, while
+a joint prefill costs one step that is longer by the copies still in flight, which the
+prefetcher usually finished before admission.
 """
 
 from __future__ import annotations

@@ -206,3 +206,16 @@ def test_unload_when_idle_frees_the_name_at_once(models, fleet):
     engine.load_adapter("ad2", str(fleet["ad3"]))  # same name, other weights
     out = run_to_completion(engine, [Request("r", PROMPTS[0], greedy(4), "ad2")])
     assert out["r"][0] == hf_greedy(models["llama"], PROMPTS[0], 4, adapter_dir=fleet["ad3"])
+
+
+def test_cold_adapters_arriving_together_prefill_in_one_step(models, fleet):
+    engine = fleet_engine(models, fleet, max_loras_per_batch=3)
+    for name in ("ad1", "ad2", "ad3"):  # in host memory, no slot yet
+        while not engine.adapters.prepare(name):
+            time.sleep(0.005)
+    assert not any(engine.adapters.is_resident(n) for n in ("ad1", "ad2", "ad3"))
+    for i, name in enumerate(("ad1", "ad2", "ad3")):
+        engine.add_request(Request(name, PROMPTS[i], greedy(2), name))
+    first = engine.step()
+    assert sorted(o.request_id for o in first if o.new_token_ids) == ["ad1", "ad2", "ad3"]
+    assert engine.max_adapters_in_step == 3
