@@ -1,0 +1,243 @@
+"""Routing policies as properties of their rankings: plain Python, no Ray."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from router.policy import (
+    AffinityPolicy,
+    ConsistentHashPolicy,
+    PowerOfTwoPolicy,
+    Rendezvous,
+    ReplicaView,
+    RoundRobinPolicy,
+    Tier,
+)
+
+
+def full(rid: str, queue_len: int = 10, **kw) -> ReplicaView:
+    """A replica with every slot taken (so cold means evict), `queue_len` outstanding."""
+    return ReplicaView(rid, free_slots=0, queue_len=queue_len, **kw)
+
+
+def flat(tiers: list[list[str]]) -> list[str]:
+    return [rid for tier in tiers for rid in tier]
+
+
+def assert_each_replica_once(tiers: list[list[str]], replicas: list[ReplicaView]) -> None:
+    ids = flat(tiers)
+    assert sorted(ids) == sorted(v.replica_id for v in replicas)
+    assert all(tier for tier in tiers), "no empty tiers"
+
+
+def ids(n: int) -> list[str]:
+    return [f"replica-{i:03d}" for i in range(n)]
+
+
+class TestWhereTheAdapterIs:
+    @pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
+    def test_gpu_beats_loading_beats_host_beats_cold_at_equal_load(self, order):
+        names = ["gpu", "host", "cold"]
+        views = {
+            "gpu": full("gpu", gpu=frozenset({"a"})),
+            "host": full("host", host=frozenset({"a"})),
+            "cold": full("cold"),
+        }
+        replicas = [views[names[i]] for i in order]
+        assert flat(AffinityPolicy().rank("a", replicas)) == ["gpu", "host", "cold"]
+
+        replicas.append(full("loading", loading=frozenset({"a"})))
+        assert flat(AffinityPolicy().rank("a", replicas)) == ["gpu", "loading", "host", "cold"]
+
+    def test_free_slot_beats_eviction(self):
+        replicas = [full("busy"), ReplicaView("free", free_slots=1, queue_len=10)]
+        assert flat(AffinityPolicy().rank("a", replicas))[0] == "free"
+
+    def test_own_record_marks_adapter_loading_before_the_stats_show_it(self):
+        policy = AffinityPolicy()
+        replicas = [full(rid) for rid in ids(8)]
+        target = flat(policy.rank("a", replicas))[-1]  # the replica hashing would pick last
+        policy.on_routed("a", target)
+        assert policy.tier("a", full(target)) == Tier.LOADING
+        assert flat(policy.rank("a", replicas))[0] == target
+        policy.on_finished("a", target)
+        assert policy.tier("a", full(target)) == Tier.EVICT
+
+
+class TestImbalanceBound:
+    def test_overloaded_replica_is_demoted_behind_all_others(self):
+        replicas = [full("gpu", queue_len=100, gpu=frozenset({"a"}))]
+        replicas += [full(rid, queue_len=10) for rid in ids(7)]
+        ranked = flat(AffinityPolicy(imbalance_bound=1.25).rank("a", replicas))
+        assert ranked[-1] == "gpu"
+
+    def test_replica_within_the_bound_keeps_its_place(self):
+        # 11 + 1 <= 1.25 × (77 + 1) / 8 ≈ 12.2, while 19 + 1 > 1.25 × (85 + 1) / 8 ≈ 13.4
+        replicas = [full("gpu", queue_len=11, gpu=frozenset({"a"}))]
+        replicas += [full(rid, queue_len=10) for rid in ids(6)]
+        replicas.append(full("other", queue_len=6))
+        assert flat(AffinityPolicy(imbalance_bound=1.25).rank("a", replicas))[0] == "gpu"
+        replicas[0] = full("gpu", queue_len=19, gpu=frozenset({"a"}))
+        assert flat(AffinityPolicy(imbalance_bound=1.25).rank("a", replicas))[-1] == "gpu"
+
+    def test_tiny_loads_are_not_imbalance(self):
+        replicas = [full("gpu", queue_len=1, gpu=frozenset({"a"}))]
+        replicas += [full(rid, queue_len=0) for rid in ids(7)]
+        assert flat(AffinityPolicy().rank("a", replicas))[0] == "gpu"
+
+    def test_rejects_a_bound_below_one(self):
+        with pytest.raises(ValueError):
+            AffinityPolicy(imbalance_bound=0.9)
+
+
+class TestColdPlacement:
+    def test_two_instances_and_any_list_order_agree(self):
+        replicas = [full(rid) for rid in ids(16)]
+        shuffled = replicas[:]
+        random.Random(7).shuffle(shuffled)
+        a, b = AffinityPolicy(), AffinityPolicy()
+        for k in range(200):
+            adapter = f"adapter-{k}"
+            assert a.rank(adapter, replicas) == b.rank(adapter, shuffled)
+
+    def test_homes_spread_over_the_fleet(self):
+        replicas = [full(rid) for rid in ids(8)]
+        policy = AffinityPolicy()
+        homes = Counter(flat(policy.rank(f"adapter-{k}", replicas))[0] for k in range(2000))
+        assert set(homes) == {v.replica_id for v in replicas}
+        assert max(homes.values()) < 1.3 * 2000 / 8
+
+    def test_removing_a_replica_moves_only_its_own_adapters(self):
+        hrw = Rendezvous()
+        before = frozenset(ids(10))
+        after = before - {"replica-003"}
+        for k in range(500):
+            home_before = hrw.order(f"adapter-{k}", before)[0]
+            home_after = hrw.order(f"adapter-{k}", after)[0]
+            if home_before != "replica-003":
+                assert home_after == home_before
+
+
+class TestSpreading:
+    def test_home_grows_with_demand_and_shrinks_back(self):
+        policy = AffinityPolicy(spread_threshold=4)
+        replicas = [full(rid) for rid in ids(8)]
+        assert len(policy.rank("hot", replicas)[0]) == 1
+        home = policy.rank("hot", replicas)[0][0]
+        for _ in range(10):
+            policy.on_routed("hot", home)
+        assert len(policy.rank("hot", replicas)[0]) == 3  # ceil((10 + 1) / 4)
+        for _ in range(10):
+            policy.on_finished("hot", home)
+        assert policy.rank("hot", replicas)[0] == [home]
+
+    def test_spread_follows_the_adapters_own_placement_order(self):
+        policy = AffinityPolicy(spread_threshold=1)
+        replicas = [full(rid) for rid in ids(8)]
+        order = flat(policy.rank("hot", replicas))
+        policy.on_routed("hot", order[0])
+        policy.on_routed("hot", order[0])
+        assert policy.rank("hot", replicas)[0] == order[:3]
+
+    def test_adaptive_threshold_is_the_mean_load(self):
+        policy = AffinityPolicy()
+        replicas = [full(rid, queue_len=20) for rid in ids(8)]
+        home = flat(policy.rank("hot", replicas))[0]
+        for _ in range(50):
+            policy.on_routed("hot", home)
+        assert len(policy.rank("hot", replicas)[0]) == 3  # ceil(51 / 20)
+
+
+class TestBaseModel:
+    def test_none_adapter_ranks_by_load_alone(self):
+        replicas = [full(rid, queue_len=q) for rid, q in zip(ids(5), [9, 3, 7, 1, 5], strict=True)]
+        assert flat(AffinityPolicy().rank(None, replicas)) == [
+            "replica-003",
+            "replica-001",
+            "replica-004",
+            "replica-002",
+            "replica-000",
+        ]
+
+    def test_none_adapter_requests_even_out(self):
+        policy = AffinityPolicy()
+        queue = dict.fromkeys(ids(6), 0)
+        for _ in range(61):
+            views = [full(rid, queue_len=q) for rid, q in queue.items()]
+            queue[policy.rank(None, views)[0][0]] += 1
+        assert max(queue.values()) - min(queue.values()) <= 1
+
+
+POLICIES = {
+    "affinity": AffinityPolicy,
+    "pow2": PowerOfTwoPolicy,
+    "round_robin": RoundRobinPolicy,
+    "consistent_hash": ConsistentHashPolicy,
+}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_replica_appears_exactly_once(name):
+    rng = random.Random(1)
+    policy = POLICIES[name]()
+    for trial in range(50):
+        n = rng.randint(1, 20)
+        replicas = [
+            ReplicaView(
+                rid,
+                gpu=frozenset(rng.sample(["a", "b", "c", "d"], rng.randint(0, 3))),
+                host=frozenset(rng.sample(["a", "b", "c", "d"], rng.randint(0, 3))),
+                free_slots=rng.randint(0, 2),
+                queue_len=rng.randint(0, 50),
+            )
+            for rid in ids(n)
+        ]
+        adapter = rng.choice(["a", "b", "e", None])
+        tiers = policy.rank(adapter, replicas)
+        assert_each_replica_once(tiers, replicas)
+        policy.on_routed(adapter, tiers[0][0])
+        if trial % 2:
+            policy.on_finished(adapter, tiers[0][0])
+
+
+class TestBaselines:
+    def test_pow2_tries_replicas_holding_the_adapter_first(self):
+        replicas = [full(rid) for rid in ids(10)]
+        replicas[4] = full("replica-004", gpu=frozenset({"a"}))
+        replicas[7] = full("replica-007", gpu=frozenset({"a"}))
+        policy = PowerOfTwoPolicy(seed=3)
+        for _ in range(20):
+            assert sorted(policy.rank("a", replicas)[0]) == ["replica-004", "replica-007"]
+
+    def test_pow2_without_a_match_samples_two_of_the_fewest_loaded(self):
+        replicas = [full(rid, gpu=frozenset({"x", "y"})) for rid in ids(10)]
+        replicas[2] = full("replica-002")
+        replicas[5] = full("replica-005")
+        replicas[8] = full("replica-008")
+        first = PowerOfTwoPolicy(seed=0).rank("a", replicas)[0]
+        assert len(first) == 2 and set(first) <= {"replica-002", "replica-005", "replica-008"}
+
+    def test_round_robin_cycles(self):
+        replicas = [full(rid) for rid in ids(3)]
+        policy = RoundRobinPolicy()
+        assert [policy.rank("a", replicas)[0][0] for _ in range(4)] == [
+            "replica-000",
+            "replica-001",
+            "replica-002",
+            "replica-000",
+        ]
+
+    def test_consistent_hash_ignores_load_and_residency(self):
+        replicas = [full(rid) for rid in ids(8)]
+        policy = ConsistentHashPolicy()
+        home = policy.rank("a", replicas)[0][0]
+        skewed = [
+            full(v.replica_id, queue_len=500, gpu=frozenset({"b"}))
+            if v.replica_id == home
+            else full(v.replica_id, gpu=frozenset({"a"}))
+            for v in replicas
+        ]
+        assert policy.rank("a", skewed)[0][0] == home
