@@ -88,6 +88,14 @@ class AppArgs(BaseModel):
     max_lora_rank: int = Field(
         default=16, ge=1, description="The largest adapter rank served; higher ranks are refused."
     )
+    eviction_policy: Literal["lru", "lfu"] = Field(
+        default="lru",
+        description=(
+            "Which adapter gives up its GPU slot when a new one needs it (never one in use or "
+            "pinned). lru: the least recently used. lfu: the least often used, the least "
+            "recent among equals."
+        ),
+    )
     pinned_adapters: list[str] = Field(
         default_factory=list,
         description=(
@@ -236,6 +244,7 @@ class AppArgs(BaseModel):
             adapter_root=self.adapter_root,
             adapter_loading=self.loading_mode,
             pinned_adapters=tuple(self.pinned_adapters),
+            eviction_policy=self.eviction_policy,
         )
 
 

@@ -244,6 +244,7 @@ def main() -> None:
     ap.add_argument("--modes", default="blocking,overlap,prefetch")
     ap.add_argument("--resident", action="store_true")
     ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", default="benchmarks/results")
@@ -277,7 +278,7 @@ def main() -> None:
                 adapters=tuple(fleet.items()),
                 adapter_loading=mode,
                 num_kv_blocks=args.kv_blocks,
-                max_num_seqs=64,
+                max_num_seqs=args.max_num_seqs,
                 max_model_len=2048,
             )
         )

@@ -27,6 +27,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_loaded_loras: int = 64  # adapters kept in host memory
     adapter_loading: str = "prefetch"  # "blocking", "overlap", "prefetch": adapters/manager.py
+    eviction_policy: str = "lru"  # GPU slots: "lru" or "lfu" (adapters/slot_pool.py)
     pinned_adapters: tuple[str, ...] = ()  # never evicted from GPU slots or host memory
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path) known at start-up
     adapter_root: str | None = None  # folder whose subfolders are adapters, found on first use
@@ -57,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.adapter_loading not in ("blocking", "overlap", "prefetch"):
             raise ValueError(f"unknown adapter_loading {self.adapter_loading!r}")
+        if self.eviction_policy not in ("lru", "lfu"):
+            raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
 

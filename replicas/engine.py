@@ -47,6 +47,7 @@ class Engine:
             config.max_loaded_loras,
             self.runner.dtype,
             mode=config.adapter_loading,
+            eviction_policy=config.eviction_policy,
             pinned=config.pinned_adapters,
         )
         self.blocks = BlockAllocator(self.runner.num_kv_blocks, config.block_size)

@@ -55,7 +55,7 @@ class AdapterManager:
         self, spec: ModelSpec, weights: LoraWeightPool, max_lora_rank: int,
         adapters: dict[str, str], adapter_root: str | None, max_loaded_loras: int,
         dtype: torch.dtype, mode: str = "prefetch", pinned: tuple[str, ...] = (),
-        read_workers: int = 4,
+        read_workers: int = 4, eviction_policy: str = "lru",
     ) -> None:
         if mode not in LOADING_MODES:
             raise ValueError(f"adapter loading mode must be one of {LOADING_MODES}, got {mode!r}")
@@ -69,7 +69,7 @@ class AdapterManager:
         self.pinned = set(pinned)
         self.retired: dict[str, Path] = {}  # unloaded, still used by queued or running requests
         self.unloaded: set[str] = set()  # names new requests may not use
-        self.slots = SlotPool(weights.num_slots)
+        self.slots = SlotPool(weights.num_slots, eviction_policy)
         self.host: HostCache[AdapterWeights] = HostCache(max_loaded_loras)
         self.queue = PrefetchQueue(capacity=max(64, 4 * max_loaded_loras))
         self.stats = AdapterStats()

@@ -4,13 +4,16 @@ Plain Python, no torch; the weight buffers are filled by `replicas.lora.LoraWeig
 Rules:
 - An adapter held by a running request (`hold` count > 0) is never evicted.
 - A pinned adapter is never evicted.
-- Among the others, the least recently used is evicted first.
+- Among the others, the eviction policy picks: "lru" (default) gives up the least recently
+  used first; "lfu" the least often used (fewest requests since it was loaded), the least
+  recent among equals. LFU keeps a steady popular set through bursts of one-off adapters; LRU
+  follows a shifting working set sooner.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -23,6 +26,14 @@ class _Entry:
     slot: int
     holds: int = 0
     pinned: bool = False
+    uses: int = 0  # holds taken since the adapter got its slot
+
+
+# Eviction order among evictable adapters, given them least recently used first.
+EVICTION_POLICIES: dict[str, Callable[[list[tuple[str, _Entry]]], list[tuple[str, _Entry]]]] = {
+    "lru": lambda entries: entries,
+    "lfu": lambda entries: sorted(entries, key=lambda item: item[1].uses),  # stable: LRU ties
+}
 
 
 @dataclass(frozen=True)
@@ -32,10 +43,13 @@ class Assignment:
 
 
 class SlotPool:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, policy: str = "lru") -> None:
         if num_slots < 1:
             raise ValueError("the slot pool needs at least one slot")
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy must be one of {sorted(EVICTION_POLICIES)}")
         self.num_slots = num_slots
+        self._order = EVICTION_POLICIES[policy]
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
 
@@ -66,11 +80,12 @@ class SlotPool:
         return bool(self._free) or any(self.evictable())
 
     def evictable(self) -> Iterator[str]:
-        """Resident adapters that may be evicted, least recently used first."""
-        return (n for n, e in self._entries.items() if e.holds == 0 and not e.pinned)
+        """Resident adapters that may be evicted, the first to go first."""
+        candidates = [(n, e) for n, e in self._entries.items() if e.holds == 0 and not e.pinned]
+        return (n for n, _ in self._order(candidates))
 
     def assign(self, name: str, *, pinned: bool = False) -> Assignment:
-        """Give `name` a slot: a free one, else the least recently used evictable one."""
+        """Give `name` a slot: a free one, else the first evictable one."""
         if name in self._entries:
             raise ValueError(f"adapter {name!r} already has slot {self._entries[name].slot}")
         evicted = None
@@ -88,6 +103,7 @@ class SlotPool:
         """A running request starts using `name`; returns its slot and marks it most recent."""
         entry = self._entries[name]
         entry.holds += 1
+        entry.uses += 1
         self._entries.move_to_end(name)
         return entry.slot
 

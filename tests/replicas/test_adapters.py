@@ -163,3 +163,34 @@ def test_targets_matching_nothing_are_refused(good_adapter, tmp_path):
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(AdapterError, match="names none"):
         read_adapter_config(path, 16)
+
+
+class TestEvictionPolicies:
+    def _pool(self, policy):
+        pool = SlotPool(2, policy)
+        for name in ("popular", "once"):
+            pool.assign(name)
+        for _ in range(3):
+            pool.hold("popular")
+            pool.release("popular")
+        pool.hold("once")
+        pool.release("once")  # "once" is now the most recent, "popular" the most used
+        return pool
+
+    def test_lru_gives_up_the_least_recent(self):
+        assert self._pool("lru").assign("new").evicted == "popular"
+
+    def test_lfu_gives_up_the_least_used(self):
+        assert self._pool("lfu").assign("new").evicted == "once"
+
+    def test_no_policy_evicts_a_held_or_pinned_adapter(self):
+        for policy in ("lru", "lfu"):
+            pool = self._pool(policy)
+            pool.hold("once")
+            pool.set_pinned("popular", True)
+            with pytest.raises(NoFreeSlot):
+                pool.assign("new")
+
+    def test_unknown_policy_is_refused(self):
+        with pytest.raises(ValueError, match="eviction policy"):
+            SlotPool(2, "random")
