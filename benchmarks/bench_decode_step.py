@@ -65,13 +65,43 @@ def adapter_bytes(spec: ModelSpec, rank: int, n: int) -> int:
     return 2 * per * spec.num_layers * n
 
 
+def profile(step, out: str, label: str) -> None:
+    """GPU time per kernel over one eager step (kernel times match the graphed step's; the launch
+    gaps do not), written to `out`/decode_profile_<label>.txt."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=30, max_name_column_width=60
+    )
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"decode_profile_{label}.txt").write_text(table)
+    print(table[:6000], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--profile", action="store_true",
+                    help="also write the per-kernel GPU time of one eager step (profile.txt)")
+    ap.add_argument("--two-kernels", action="store_true",
+                    help="a shrink and an expand per group at every token count (no fused launch)")
+    ap.add_argument("--triton-only", action="store_true", help="skip the torch-attention rows")
     args = ap.parse_args()
+    if args.two_kernels:
+        from kernels import sgmv_triton
+
+        sgmv_triton.FUSED_TABLE = ((None, None),)
     spec, B, ctx, bs = LLAMA3_8B, args.batch, args.context, 16
     torch.manual_seed(0)
     model = random_model(spec, ctx + 16)
@@ -105,7 +135,7 @@ def main() -> None:
     base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_read = 2 * spec.num_layers * B * ctx * spec.num_kv_heads * spec.head_dim * 2
     rows = []
-    for attention_name in ("triton", "torch"):
+    for attention_name in ("triton",) if args.triton_only else ("triton", "torch"):
         attention = get_attention_backend(attention_name)
         graphs = None
         if attention_name == "triton":
@@ -148,6 +178,8 @@ def main() -> None:
                 base_bytes + kv_read + (adapter_bytes(spec, args.rank, B) if with_adapters else 0)
             )
             floor_us = floor_bytes / bw * 1e6
+            if args.profile and attention_name == "triton":
+                profile(eager, args.out, "adapters" if with_adapters else "base")
             modes = [("eager", eager)] + ([("cuda graph", graphed)] if graphs else [])
             for mode, fn in modes:
                 us = time_cuda(fn, iters=10, repeats=5, warmup=3)

@@ -150,13 +150,11 @@ def make_problem(case: Case, shapes: dict, layers: int, dtype, device) -> Proble
 
 
 def sgmv_layer(p: Problem, layer: int, groups=None) -> None:
-    from kernels.sgmv_triton import triton_expand, triton_shrink
+    from kernels.sgmv_triton import triton_apply
 
     for group in groups or p.shapes:
         a, b = p.weights[layer][group]
-        n = len(p.shapes[group][1])
-        h = triton_shrink(p.x[group], a, p.batch, n)
-        triton_expand(h, b, p.batch, p.y[group], p.offsets(group))
+        triton_apply(p.x[group], a, b, p.batch, p.y[group], p.offsets(group))
 
 
 def shrink_layer(p: Problem, layer: int, groups=None) -> None:
@@ -212,14 +210,14 @@ def graph_us_per_layer(p: Problem, layer_fn, groups=None, iters: int = 20) -> fl
 def check_against_reference(p: Problem) -> float:
     """Largest relative error of the Triton delta vs the torch reference (float32), layer 0."""
     from kernels.sgmv import torch_expand, torch_shrink
-    from kernels.sgmv_triton import triton_expand, triton_shrink
+    from kernels.sgmv_triton import triton_apply
 
     worst = 0.0
     for group, (_, outs) in p.shapes.items():
         a, b = p.weights[0][group]
         x = p.x[group]
         y = torch.zeros_like(p.y[group])
-        triton_expand(triton_shrink(x, a, p.batch, len(outs)), b, p.batch, y, p.offsets(group))
+        triton_apply(x, a, b, p.batch, y, p.offsets(group))
         y_ref = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
         h_ref = torch_shrink(x.float(), a.float(), p.batch, len(outs))
         torch_expand(h_ref, b.float(), p.batch, y_ref, p.offsets(group))
@@ -287,6 +285,47 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
 ]
 
 
+# (block_m, block_n, block_k, k_per_split, block_o, block_r, warps, stages, programs_per_sm)
+FUSED_CANDIDATES = [
+    (16, 64, 128, 128, 256, 64, 4, 2, 2),
+    (16, 64, 128, 256, 256, 64, 4, 2, 2),
+    (16, 64, 256, 512, 256, 64, 4, 2, 2),
+    (16, 64, 128, 512, 512, 64, 4, 2, 2),
+    (16, 64, 256, 256, 128, 64, 4, 1, 2),
+    (16, 64, 128, 256, 512, 64, 8, 2, 1),
+    (16, 64, 128, 1024, 256, 64, 4, 2, 2),
+    (16, 64, 64, 256, 256, 64, 4, 3, 2),
+]
+
+
+def sweep_fused(args: argparse.Namespace) -> None:
+    """Whole-layer time of the fused kernel over candidate tilings for the decode QUICK cases."""
+    from kernels import sgmv_triton
+    from kernels.sgmv_tuning import FusedTiling
+
+    device = torch.device("cuda")
+    for case in QUICK[:5]:
+        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
+                         device)
+        floor = minimal_bytes(case, LLAMA3_8B) / args.bw * 1e6
+        print(f"== tokens {case.num_tokens} adapters {case.num_adapters} ranks {case.rank_label}"
+              f" floor {floor:.1f} us", flush=True)
+        for c in FUSED_CANDIDATES:
+            t = FusedTiling(*c[:6], num_warps=c[6], num_stages=c[7], programs_per_sm=c[8])
+            sgmv_triton.FUSED_TABLE = ((None, t),)
+            try:
+                us = graph_us_per_layer(p, sgmv_layer)
+                print(f"fused {c} {us:.2f}", flush=True)
+            except Exception as err:  # a candidate that does not compile or fit
+                print(f"fused {c} failed: {err!r:.200}", flush=True)
+        sgmv_triton.FUSED_TABLE = ((None, None),)
+        print(f"two kernels {graph_us_per_layer(p, sgmv_layer):.2f}", flush=True)
+        from kernels.sgmv_tuning import FUSED_TABLE
+        sgmv_triton.FUSED_TABLE = FUSED_TABLE
+        del p
+        torch.cuda.empty_cache()
+
+
 def sweep(args: argparse.Namespace) -> None:
     """Time shrink alone and expand alone over candidate tilings (one table row at a time) for a
     few QUICK cases, and a graph of empty kernels (the launch floor); prints, writes nothing."""
@@ -338,10 +377,14 @@ def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import hbm_bandwidth, write_results
 
     torch.manual_seed(0)
+    bw = hbm_bandwidth()
+    if args.sweep_fused:
+        args.bw = bw
+        sweep_fused(args)
+        return
     if args.sweep:
         sweep(args)
         return
-    bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = [measure(case, bw, args) for case in (QUICK if args.quick else cases(args.only))]
     path = write_results(
@@ -397,6 +440,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
     ap.add_argument("--breakdown", action="store_true", help="also time each group alone")
     ap.add_argument("--sweep", action="store_true", help="time candidate tilings; writes nothing")
+    ap.add_argument("--sweep-fused", action="store_true",
+                    help="time candidate fused tilings on the decode targets; writes nothing")
+    ap.add_argument("--two-kernels", action="store_true",
+                    help="a shrink and an expand per group at every token count (no fused launch)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
     ap.add_argument("--out", default=None,
@@ -409,6 +456,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU; use --smoke to check the plumbing on CPU")
     args.out = args.out or "benchmarks/results"
+    if args.two_kernels:
+        from kernels import sgmv_triton
+
+        sgmv_triton.FUSED_TABLE = ((None, None),)
     run_gpu(args)
 
 

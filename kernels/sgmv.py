@@ -12,14 +12,16 @@ where `n` slices share one input (q/k/v, or gate/up) and slice `i` writes output
 R = max_lora_rank; rows and columns past an adapter's true rank are zero, so any backend may
 ignore them.
 
-Backends implement `shrink` and `expand` with the signatures of the torch reference below and
-register themselves in `BACKENDS`.
+Backends implement `shrink`, `expand` and `apply` (the delta of one group: expand of shrink, which
+a backend may fuse into one launch) with the signatures of the torch reference below, and register
+themselves in `BACKENDS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -91,13 +93,35 @@ def torch_expand(
             y[s:e, o0:o1] += scale * (hs @ b[slot, o0:o1, :r].t())
 
 
+def torch_apply(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch: SgmvBatch,
+    y: torch.Tensor,
+    out_offsets: tuple[int, ...],
+) -> None:
+    """x: [T, in]; a: [num_slots, n*R, in]; b: [num_slots, sum(out_i), R]; y += the LoRA delta."""
+    torch_expand(torch_shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
+
+
 ShrinkFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, int], torch.Tensor]
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None]
+ApplyFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None
+]
 
-BACKENDS: dict[str, tuple[ShrinkFn, ExpandFn]] = {"torch": (torch_shrink, torch_expand)}
+
+class SgmvOps(NamedTuple):
+    shrink: ShrinkFn
+    expand: ExpandFn
+    apply: ApplyFn
 
 
-def get_backend(name: str) -> tuple[ShrinkFn, ExpandFn]:
+BACKENDS: dict[str, SgmvOps] = {"torch": SgmvOps(torch_shrink, torch_expand, torch_apply)}
+
+
+def get_backend(name: str) -> SgmvOps:
     if name == "triton" and name not in BACKENDS:
         import kernels.sgmv_triton  # noqa: F401  (registers itself; needs triton)
     if name not in BACKENDS:

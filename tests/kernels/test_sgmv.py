@@ -16,11 +16,17 @@ if DEVICE.type == "cpu":
 
 import pytest  # noqa: E402
 
-from kernels.sgmv import SgmvBatch, get_backend, torch_expand, torch_shrink  # noqa: E402
+from kernels.sgmv import (  # noqa: E402
+    SgmvBatch,
+    get_backend,
+    torch_apply,
+    torch_expand,
+    torch_shrink,
+)
 
 try:
     from kernels import sgmv_triton
-    from kernels.sgmv_tuning import NO_SPLIT, ExpandTiling, ShrinkTiling
+    from kernels.sgmv_tuning import NO_SPLIT, ExpandTiling, FusedTiling, ShrinkTiling
 except ImportError:  # no triton: only the reference tests run
     sgmv_triton = None
 
@@ -90,6 +96,17 @@ def vector_tiles() -> tuple:
 
 
 TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles}
+
+
+def fused_tilings() -> dict:
+    """One-launch tilings: split-K over an uneven hidden size with several column blocks and a
+    rank loop of several steps; tiles of two tokens (matrix-vector products); no split-K."""
+    return {
+        "split": FusedTiling(16, 16, 16, 48, 16, 16, num_warps=4, num_stages=2, programs_per_sm=2),
+        "vector": FusedTiling(2, 16, 32, 64, 32, 16, num_warps=4, num_stages=1, programs_per_sm=2),
+        "wide": FusedTiling(32, 64, 32, NO_SPLIT, 64, 32, num_warps=4, num_stages=2,
+                            programs_per_sm=1),
+    }
 
 
 @pytest.fixture(params=["default", *TILINGS])
@@ -216,6 +233,42 @@ class TestTritonMatchesReference:
         assert_close(y_out, y_ref)
         assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
 
+    @pytest.mark.parametrize(
+        "layout_name,batch_name,fused",
+        [(lay, name, "split") for lay in LAYOUTS for name in BATCHES]
+        + [("qkv_gqa", name, "vector") for name in ("one_token", "ranks_1_3_8_16")]
+        + [(lay, "base_interleaved", "wide") for lay in ("qkv_gqa", "single")],
+    )
+    def test_fused_apply(self, layout_name, batch_name, fused, monkeypatch):
+        monkeypatch.setattr(sgmv_triton, "FUSED_TABLE", ((None, fused_tilings()[fused]),))
+        layout = LAYOUTS[layout_name]
+        batch, a, b, x, y, _ = run_case(layout, batch_name)
+        a_poisoned, b_poisoned = poison_past_rank(a, b, BATCHES[batch_name][1], len(layout.outs))
+        y_ref, y_out = y.clone(), y.clone()
+        torch_apply(x, a, b, batch, y_ref, layout.out_offsets)
+        sgmv_triton.triton_apply(x, a_poisoned, b_poisoned, batch, y_out, layout.out_offsets)
+        assert_close(y_out, y_ref)
+        inside = segment_rows(batch, x.shape[0])
+        assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
+        if batch_name == "decode_distinct":  # counters were left at zero: a relaunch agrees
+            y_again = y.clone()
+            sgmv_triton.triton_apply(x, a_poisoned, b_poisoned, batch, y_again,
+                                     layout.out_offsets)
+            assert torch.equal(y_again, y_out)
+
+    def test_fused_apply_default_table_and_empty_batch(self):
+        layout = LAYOUTS["qkv_gqa"]
+        batch, a, b, x, y, _ = run_case(layout, "decode_distinct")
+        y_ref, y_out = y.clone(), y.clone()
+        torch_apply(x, a, b, batch, y_ref, layout.out_offsets)
+        sgmv_triton.triton_apply(x, a, b, batch, y_out, layout.out_offsets)
+        assert_close(y_out, y_ref)
+        empty = batch_from_tables([], [], [], [0, 16], [1.0, 1.0], num_tokens=x.shape[0])
+        a, b = make_weights(layout, [0, 16], 16)
+        y_out = y.clone()
+        sgmv_triton.triton_apply(x, a, b, empty, y_out, layout.out_offsets)
+        assert torch.equal(y_out, y)
+
     def test_empty_batch_launches_nothing_and_leaves_y(self, tiling):
         layout = LAYOUTS["qkv_gqa"]
         batch = batch_from_tables([], [], [], [0, 16], [1.0, 1.0])
@@ -273,7 +326,9 @@ class TestTritonMatchesReference:
 @needs_triton
 class TestLaunchers:
     def test_registered_as_the_triton_backend(self):
-        assert get_backend("triton") == (sgmv_triton.triton_shrink, sgmv_triton.triton_expand)
+        assert get_backend("triton") == (
+            sgmv_triton.triton_shrink, sgmv_triton.triton_expand, sgmv_triton.triton_apply
+        )
 
     def test_rejects_mixed_dtypes(self):
         layout = LAYOUTS["single"]
@@ -370,6 +425,30 @@ class TestOnGpu:
         torch.testing.assert_close(y_out.float(), y_ref, atol=3e-2, rtol=2e-2)
         assert torch.equal(y_out[~inside], y[~inside])
 
+    @pytest.mark.parametrize("seg_lens", [[1] * 64, [8] * 8, [1]], ids=["b64", "d8", "b1"])
+    @pytest.mark.parametrize("layout", [LLAMA3_8B_QKV, Layout(14336, (4096,))], ids=["qkv", "down"])
+    def test_fused_apply_llama3_widths(self, seg_lens, layout):
+        max_rank, dtype = 64, torch.bfloat16
+        ranks = [0, 8, 16, 32, 64, 16, 8, 64, 32]
+        a, b = make_weights(layout, ranks, max_rank, dtype=dtype)
+        slots = [1 + i % (len(ranks) - 1) for i in range(len(seg_lens))]
+        ends = torch.tensor(seg_lens).cumsum(0).tolist()
+        batch = batch_from_tables([0, *ends[:-1]], ends, slots, ranks,
+                                  [0.5 + 0.25 * i for i in range(len(ranks))])
+        num_tokens = ends[-1] + 3
+        x = torch.randn(num_tokens, layout.hidden, device=DEVICE, dtype=dtype)
+        y = torch.randn(num_tokens, sum(layout.outs), device=DEVICE, dtype=dtype)
+        y_out, y_ref = y.clone(), y.float()
+        sgmv_triton.triton_apply(x, a, b, batch, y_out, layout.out_offsets)
+        torch_apply(x.float(), a.float(), b.float(), batch, y_ref, layout.out_offsets)
+        torch.testing.assert_close(y_out.float(), y_ref, atol=3e-2, rtol=2e-2)
+        inside = segment_rows(batch, num_tokens)
+        assert torch.equal(y_out[~inside], y[~inside])
+        for _ in range(20):  # deterministic over launches
+            y_again = y.clone()
+            sgmv_triton.triton_apply(x, a, b, batch, y_again, layout.out_offsets)
+            assert torch.equal(y_again, y_out)
+
     def test_split_k_bitwise_stable_over_many_launches(self):
         layout = Layout(14336, (4096,))  # down_proj: the longest split-K
         ranks = [0] + [16] * 64
@@ -398,8 +477,7 @@ class TestOnGpu:
 
         def step():
             y.zero_()
-            h = sgmv_triton.triton_shrink(x, a, static, 3)
-            sgmv_triton.triton_expand(h, b, static, y, layout.out_offsets)
+            sgmv_triton.triton_apply(x, a, b, static, y, layout.out_offsets)
 
         step()  # compile and size the workspaces before capture
         torch.cuda.synchronize()
