@@ -231,6 +231,61 @@ def parse_published(text: str | None) -> tuple[str, dict[str, float]] | None:
     return source.strip(), figures
 
 
+def save(args, rows: list[dict], copy: dict | None) -> None:
+    """Write the rows so far with their ratios to blocking (A) and to all-resident."""
+    for kind in {r["popularity"] for r in rows}:
+        base = {r["mode"]: r for r in rows if r["popularity"] == kind}
+        for r in rows:
+            if r["popularity"] != kind:
+                continue
+            if "blocking" in base:
+                r["ttft_p50_vs_blocking"] = r["ttft_p50_ms"] / base["blocking"]["ttft_p50_ms"]
+                r["throughput_vs_blocking"] = (
+                    r["throughput_tok_s"] / base["blocking"]["throughput_tok_s"]
+                )
+            if "resident" in base:
+                r["churn_penalty"] = r["ttft_p50_ms"] / base["resident"]["ttft_p50_ms"]
+    published = parse_published(args.published)
+    if published is not None:
+        source, figures = published
+        for r in rows:
+            for key, value in figures.items():
+                r[f"{key}_vs_{source}"] = r[key] / value
+    name = args.name or f"churn_{args.num_adapters}x_r{args.rank}"
+    cols = [
+        "popularity",
+        "mode",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "e2e_p50_s",
+        "throughput_tok_s",
+        "adapter_wait_mean_ms",
+        "gpu_loads",
+        "prefetch_loads",
+        "ttft_p50_vs_blocking",
+        "throughput_vs_blocking",
+        "churn_penalty",
+    ]
+    if published is not None:
+        cols += [f"{key}_vs_{published[0]}" for key in published[1]]
+    write_results(
+        args.out,
+        name,
+        f"Adapter churn: {args.num_adapters} rank-{args.rank} adapters over {args.slots} slots, "
+        f"Poisson {args.rate} req/s",
+        "modes against blocking loads (A) in the same run; churn penalty against all-resident",
+        cols,
+        rows,
+        {
+            "copy_bandwidth": copy,
+            "published": args.published,
+            "args": {k: str(v) for k, v in vars(args).items()},
+        },
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-adapters", type=int, default=32)
@@ -310,61 +365,11 @@ def main() -> None:
             result = run(e, requests)
             rows.append({"popularity": kind, "mode": mode, **result})
             print(rows[-1], flush=True)
+            save(args, rows, copy)  # after every run: a cut-off benchmark keeps what it measured
             e.adapters.shutdown()
             del e
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-        base = {r["mode"]: r for r in rows if r["popularity"] == kind}
-        if "blocking" in base and "prefetch" in base:
-            for r in rows:
-                if r["popularity"] == kind:
-                    r["ttft_p50_vs_blocking"] = r["ttft_p50_ms"] / base["blocking"]["ttft_p50_ms"]
-                    r["throughput_vs_blocking"] = (
-                        r["throughput_tok_s"] / base["blocking"]["throughput_tok_s"]
-                    )
-                    if "resident" in base:
-                        r["churn_penalty"] = r["ttft_p50_ms"] / base["resident"]["ttft_p50_ms"]
-    published = parse_published(args.published)
-    if published is not None:
-        source, figures = published
-        for r in rows:
-            for key, value in figures.items():
-                r[f"{key}_vs_{source}"] = r[key] / value
-    name = args.name or f"churn_{args.num_adapters}x_r{args.rank}"
-    cols = [
-        "popularity",
-        "mode",
-        "ttft_p50_ms",
-        "ttft_p99_ms",
-        "itl_p50_ms",
-        "itl_p99_ms",
-        "e2e_p50_s",
-        "throughput_tok_s",
-        "adapter_wait_mean_ms",
-        "gpu_loads",
-        "prefetch_loads",
-        "ttft_p50_vs_blocking",
-        "throughput_vs_blocking",
-        "churn_penalty",
-    ]
-    if published is not None:
-        cols += [f"{key}_vs_{published[0]}" for key in published[1]]
-    write_results(
-        args.out,
-        name,
-        f"Adapter churn: {args.num_adapters} rank-{args.rank} adapters over {args.slots} slots, "
-        f"Poisson {args.rate} req/s",
-        "modes against blocking loads (A) in the same run; churn penalty against all-resident",
-        cols,
-        rows,
-        {
-            "copy_bandwidth": copy,
-            "published": args.published,
-            "args": {k: str(v) for k, v in vars(args).items()},
-        },
-    )
-
-
 if __name__ == "__main__":
     main()

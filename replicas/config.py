@@ -36,6 +36,7 @@ class EngineConfig:
     )
     attention_backend: str = "auto"  # like sgmv_backend
     enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
+    warm_up: bool = True  # CUDA: run every step shape once at start-up (kernels compile then)
     seed: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())  # extra EOS ids beyond the model's own
 

@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_BYTES = 1 << 30
+# Step sizes run once at start-up on CUDA (`warm_up`): every SGMV tuning row, Triton's integer
+# specializations (1, multiples of 16, others) and the largest step, so that kernels compile
+# before the first request instead of stalling it.
+WARM_UP_TOKENS = (2, 16, 17, 100, 128, 129, 300, 512, 513, 1000, 2048)
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -114,6 +118,8 @@ class ModelRunner:
             )
             self.graphs.capture()
         self._generators: dict[str, torch.Generator] = {}
+        if self.device.type == "cuda" and config.warm_up:
+            self.warm_up(min(config.max_num_batched_tokens, max(WARM_UP_TOKENS)), max_model_len)
         logger.info(
             "model runner ready: %d KV blocks of %d tokens on %s (%s)",
             self.num_kv_blocks,
@@ -144,6 +150,40 @@ class ModelRunner:
                 f"max_model_len or give the cache more memory"
             )
         return blocks
+
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int, max_model_len: int) -> None:
+        """Run the eager forward pass once per step size in WARM_UP_TOKENS (up to `max_tokens`),
+        with one, two and as many sequences as there are adapter slots, each sequence one LoRA
+        segment. Every key and value goes to the pad slot and every block table points at the
+        pad block, so no request's cache is touched; outputs are discarded."""
+        bs, pad_block = self.config.block_size, self.num_kv_blocks
+        num_slots = self.lora_pool.num_slots
+        for n in sorted({min(t, max_tokens) for t in WARM_UP_TOKENS}):
+            fewest = -(-n // max_model_len)  # no dummy sequence longer than the model allows
+            for num_seqs in sorted({max(k, fewest) for k in (1, 2, num_slots)} - {0}):
+                if num_seqs > n:
+                    continue
+                lengths = [n // num_seqs + (i < n % num_seqs) for i in range(num_seqs)]
+                positions = [p for length in lengths for p in range(length)]
+                q_starts = [0]
+                for length in lengths:
+                    q_starts.append(q_starts[-1] + length)
+                segments = lengths[:num_slots]
+                self.staging.reset()
+                self._forward(
+                    self.staging,
+                    [0] * n,
+                    positions,
+                    [self.pad_slot] * n,
+                    q_starts,
+                    lengths,
+                    [[pad_block] * blocks_for(length, bs) for length in lengths],
+                    segments,
+                    list(range(len(segments))),
+                )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # start-up, not a step: the staging is reused
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -52,7 +52,7 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: membership tests in the scheduler compare identity
 class Request:
     """A generation request. `adapter` is the adapter name, or None for the base model.
 

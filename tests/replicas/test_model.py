@@ -60,3 +60,20 @@ def test_dummy_load_format_needs_only_the_config(models, tmp_path):
     assert len(results["a"][0]) == 5
     with pytest.raises(FileNotFoundError):
         make_engine(tmp_path)  # the real format needs the weights
+
+
+def test_warm_up_leaves_every_cache_block_alone(models):
+    """Start-up warm-up (run on CUDA; called by hand here) writes keys and values only to the pad
+    block and leaves the engine serving the same tokens."""
+    engine = make_engine(models["llama"], max_num_batched_tokens=300)
+    runner = engine.runner
+    for k, v in runner.kv_caches:
+        k.fill_(3.0)
+        v.fill_(3.0)
+    runner.warm_up(300, engine.max_model_len)
+    for k, v in runner.kv_caches:
+        assert (k[:-1] == 3.0).all() and (v[:-1] == 3.0).all()  # only the pad block changed
+        assert not (k[-1] == 3.0).all()
+    prompt = [5, 17, 200, 33, 98, 4]
+    out = run_to_completion(engine, [Request("r", prompt, greedy(5))])
+    assert out["r"][0] == hf_greedy(models["llama"], prompt, 5)
