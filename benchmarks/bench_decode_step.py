@@ -38,9 +38,11 @@ LLAMA3_8B = ModelSpec(
 )
 
 
-def random_model(spec: ModelSpec, max_positions: int) -> LlamaModel:
+def random_model(spec: ModelSpec, max_positions: int, layer_ops: str) -> LlamaModel:
+    from kernels.layer_ops import get_layer_ops
+
     with torch.device("cuda"):
-        model = LlamaModel(spec, max_positions, torch.bfloat16)
+        model = LlamaModel(spec, max_positions, torch.bfloat16, get_layer_ops(layer_ops))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
@@ -96,6 +98,8 @@ def main() -> None:
                     help="also write the per-kernel GPU time of one eager step (profile.txt)")
     ap.add_argument("--two-kernels", action="store_true",
                     help="a shrink and an expand per group at every token count (no fused launch)")
+    ap.add_argument("--layer-ops", default="triton", choices=["triton", "torch"],
+                    help="norms, activation and rotary: fused Triton kernels or torch ops")
     ap.add_argument("--triton-only", action="store_true", help="skip the torch-attention rows")
     args = ap.parse_args()
     if args.two_kernels:
@@ -104,7 +108,7 @@ def main() -> None:
         sgmv_triton.FUSED_TABLE = ((None, None),)
     spec, B, ctx, bs = LLAMA3_8B, args.batch, args.context, 16
     torch.manual_seed(0)
-    model = random_model(spec, ctx + 16)
+    model = random_model(spec, ctx + 16, args.layer_ops)
     pool = LoraWeightPool(spec, B, args.rank, torch.bfloat16, torch.device("cuda"), "triton")
     fill_adapters(pool, args.rank)
     per_seq = blocks_for(ctx + 1, bs)

@@ -35,6 +35,7 @@ class EngineConfig:
         "auto"  # "auto" (triton on cuda when available, else torch), "torch", "triton"
     )
     attention_backend: str = "auto"  # like sgmv_backend
+    layer_ops_backend: str = "auto"  # norms, activation, rotary (kernels/layer_ops.py): as above
     enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
     warm_up: bool = True  # CUDA: run every step shape once at start-up (kernels compile then)
     seed: int = 0

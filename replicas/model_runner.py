@@ -11,6 +11,7 @@ import logging
 import torch
 
 from kernels.attention import AttentionBatch, get_attention_backend
+from kernels.layer_ops import get_layer_ops
 from replicas.config import EngineConfig
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.kv_cache import blocks_for
@@ -51,6 +52,19 @@ def resolve_attention_backend(config: EngineConfig) -> str:
         return "torch"
 
 
+def resolve_layer_ops_backend(config: EngineConfig) -> str:
+    if config.layer_ops_backend != "auto":
+        return config.layer_ops_backend
+    if config.device == "cpu":
+        return "torch"
+    try:
+        import kernels.layer_ops_triton  # noqa: F401
+
+        return "triton"
+    except ImportError:
+        return "torch"
+
+
 def resolve_sgmv_backend(config: EngineConfig) -> str:
     if config.sgmv_backend != "auto":
         return config.sgmv_backend
@@ -70,10 +84,15 @@ class ModelRunner:
         self.spec = spec
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config)
+        ops = get_layer_ops(resolve_layer_ops_backend(config))
         if config.load_format == "dummy":
-            self.model = random_model(spec, self.dtype, self.device, max_model_len, config.seed)
+            self.model = random_model(
+                spec, self.dtype, self.device, max_model_len, config.seed, ops
+            )
         else:
-            self.model = load_model(config.model, spec, self.dtype, self.device, max_model_len)
+            self.model = load_model(
+                config.model, spec, self.dtype, self.device, max_model_len, ops
+            )
         self.lora_pool = LoraWeightPool(
             spec,
             config.max_loras_per_batch,

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBatch, AttentionFn, store_kv, torch_paged_attention
+from kernels.layer_ops import BACKENDS as LAYER_OPS
+from kernels.layer_ops import LayerOps, torch_rms_norm
 from kernels.sgmv import SgmvBatch
 from replicas.lora import LoraWeightPool
 from replicas.models.rope import RotaryEmbedding
@@ -39,10 +41,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return torch_rms_norm(x, self.weight, self.eps)
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -75,7 +74,12 @@ class DecoderLayer(nn.Module):
         return y
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        ctx: StepContext,
+        ops: LayerOps,
     ) -> torch.Tensor:
         spec = self.spec
         T = x.shape[0]
@@ -83,7 +87,7 @@ class DecoderLayer(nn.Module):
             stream = torch.cuda.current_stream(x.device)
             for event in ctx.layer_waits[self.index]:
                 stream.wait_event(event)
-        h = self.input_layernorm(x)
+        h = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = self._project(h, self.qkv_proj, "qkv", ctx, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = q.reshape(T, spec.num_heads, spec.head_dim)
@@ -91,20 +95,30 @@ class DecoderLayer(nn.Module):
         v = v.reshape(T, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions), rope(k, positions)
+        q, k = ops.rotary(q, k, positions, rope.cos, rope.sin)
         k_cache, v_cache = ctx.kv_caches[self.index]
         store_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         attn = ctx.attention(q, k_cache, v_cache, ctx.attn, self.scale)
-        x = x + self._project(attn.reshape(T, spec.q_size), self.o_proj, "o", ctx)
-        h = self.post_attention_layernorm(x)
-        gate, up = self._project(h, self.gate_up_proj, "gate_up", ctx).chunk(2, dim=-1)
-        return x + self._project(F.silu(gate) * up, self.down_proj, "down", ctx)
+        o = self._project(attn.reshape(T, spec.q_size), self.o_proj, "o", ctx)
+        norm = self.post_attention_layernorm
+        h, x = ops.add_rms_norm(x, o, norm.weight, norm.eps)
+        act = ops.silu_and_mul(self._project(h, self.gate_up_proj, "gate_up", ctx))
+        return x + self._project(act, self.down_proj, "down", ctx)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype) -> None:
+    """`ops` does the elementwise work between the matrix products (kernels/layer_ops.py)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_positions: int,
+        dtype: torch.dtype,
+        ops: LayerOps = LAYER_OPS["torch"],
+    ) -> None:
         super().__init__()
         self.spec = spec
+        self.ops = ops
         v, h = spec.vocab_size, spec.hidden_size
         self.embed_tokens = _weight(v, h, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype) for i in range(spec.num_layers))
@@ -118,8 +132,8 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, ctx)
-        return self.norm(x)
+            x = layer(x, positions, self.rope, ctx, self.ops)
+        return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""

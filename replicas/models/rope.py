@@ -30,16 +30,12 @@ def inverse_frequencies(spec: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """The cos and sin tables per position, [P, D/2] float32. The rotation itself is a layer op
+    (kernels/layer_ops.py: `rotary`)."""
+
     def __init__(self, spec: RopeSpec, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv = inverse_frequencies(spec, head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D], positions: [T] -> x rotated."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.layer_ops import BACKENDS as LAYER_OPS
+from kernels.layer_ops import LayerOps
 from replicas.models.llama import LlamaModel
 from replicas.models.spec import ModelSpec
 
@@ -28,12 +30,17 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def random_model(
-    spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    seed: int = 0,
+    ops: LayerOps = LAYER_OPS["torch"],
 ) -> LlamaModel:
     """A model of the right shapes with random weights: the same FLOPs and bytes as the real
     checkpoint, for benchmarks (load_format "dummy")."""
     with torch.device(device):
-        model = LlamaModel(spec, max_positions, dtype)
+        model = LlamaModel(spec, max_positions, dtype, ops)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,12 +57,13 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    ops: LayerOps = LAYER_OPS["torch"],
 ) -> LlamaModel:
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     with torch.device(device):
-        model = LlamaModel(spec, max_positions, dtype)
+        model = LlamaModel(spec, max_positions, dtype, ops)
     loaded: set[str] = set()
     with torch.no_grad():
         for path in checkpoint_files(model_dir):
