@@ -19,6 +19,12 @@ adapter as each copy completes; the token budget is the only thing that splits t
 this over holding ready requests back to gather more: a hold costs every request its wait, while
 a joint prefill costs one step that is longer by the copies still in flight, which the
 prefetcher usually finished before admission.
+
+One exception keeps long copies from stalling everyone: while other requests run, a request
+whose adapter has a long copy in flight (a large rank: tens of milliseconds over PCIe) waits
+until most of it has landed (`AdapterGate.copy_settled`), so the running requests' steps are
+not stretched to the copy's length. Short copies, and any copy when nothing else runs, are
+admitted at once and overlap the prefill layer by layer.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ class AdapterGate(Protocol):
     def prepare(self, adapter: str) -> bool:
         """The adapter can be placed now (its weights are in memory); otherwise start fetching
         it and return False, without blocking. Raises AdapterLoadError."""
+
+    def copy_settled(self, adapter: str) -> bool:
+        """Admitting a request for the adapter now would not hold the step up for long: no
+        host->GPU copy of it is in flight, or the copy is short, or most of it has landed.
+        Checked without blocking."""
 
     def acquire(self, adapter: str) -> int | None:
         """Hold the adapter's slot for one request, making it resident first if needed. Returns
@@ -160,6 +171,8 @@ class Scheduler:
                 try:
                     if not self.adapters.prepare(request.adapter):
                         continue  # still being read from disk; later requests may go first
+                    if self.running and not self.adapters.copy_settled(request.adapter):
+                        continue  # a long copy still arriving: admitted a step later instead
                     slot = self.adapters.acquire(request.adapter)
                 except AdapterLoadError as e:
                     self.waiting.remove(request)

@@ -18,6 +18,10 @@ class FakeGate:
         self.holds: dict[str, int] = {}
         self.broken = broken
         self.still_reading: set[str] = set()
+        self.copying: set[str] = set()  # long copies in flight
+
+    def copy_settled(self, adapter: str) -> bool:
+        return adapter not in self.copying
 
     def is_resident(self, adapter: str) -> bool:
         return adapter in self.holds
@@ -225,6 +229,19 @@ class TestAdapterAdmission:
             finished_order += sorted(before - {r.request_id for r in s.running})
         admitted_c = "c1" in finished_order
         assert admitted_c and finished_order.index("c1") <= finished_order.index("d1")
+
+    def test_long_copy_waits_while_others_run_but_not_when_alone(self):
+        gate = FakeGate(capacity=2)
+        gate.copying.add("big")
+        s, _ = make_scheduler(gate=gate)
+        s.add(req("big-alone", adapter="big", max_tokens=2))
+        assert [q.request.request_id for q in run_step(s).seqs] == ["big-alone"]  # nothing to stall
+        s.add(req("big-2", adapter="big"))
+        s.add(req("small", adapter="small"))
+        admitted = {q.request.request_id for q in run_step(s).seqs}
+        assert "small" in admitted and "big-2" not in admitted  # the others' step is not held up
+        gate.copying.discard("big")  # most of the copy has landed
+        assert "big-2" in {q.request.request_id for q in run_step(s).seqs}
 
     def test_adapter_that_fails_to_load_fails_only_its_request(self):
         s, blocks = make_scheduler(gate=FakeGate(broken=("bad",)))
