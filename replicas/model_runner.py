@@ -138,7 +138,7 @@ class ModelRunner:
             self.graphs.capture()
         self._generators: dict[str, torch.Generator] = {}
         if self.device.type == "cuda" and config.warm_up:
-            self.warm_up(min(config.max_num_batched_tokens, max(WARM_UP_TOKENS)), max_model_len)
+            self.warm_up(config.max_num_batched_tokens, max_model_len)
         logger.info(
             "model runner ready: %d KV blocks of %d tokens on %s (%s)",
             self.num_kv_blocks,
@@ -172,13 +172,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_model_len: int) -> None:
-        """Run the eager forward pass once per step size in WARM_UP_TOKENS (up to `max_tokens`),
-        with one, two and as many sequences as there are adapter slots, each sequence one LoRA
-        segment. Every key and value goes to the pad slot and every block table points at the
-        pad block, so no request's cache is touched; outputs are discarded."""
+        """Run the eager forward pass once per step size in WARM_UP_TOKENS up to `max_tokens` and
+        at `max_tokens` itself, with one, two and as many sequences as there are adapter slots,
+        each sequence one LoRA segment. Every key and value goes to the pad slot and every block
+        table points at the pad block, so no request's cache is touched; outputs are discarded."""
         bs, pad_block = self.config.block_size, self.num_kv_blocks
         num_slots = self.lora_pool.num_slots
-        for n in sorted({min(t, max_tokens) for t in WARM_UP_TOKENS}):
+        for n in sorted({min(t, max_tokens) for t in WARM_UP_TOKENS} | {max_tokens}):
             fewest = -(-n // max_model_len)  # no dummy sequence longer than the model allows
             for num_seqs in sorted({max(k, fewest) for k in (1, 2, num_slots)} - {0}):
                 if num_seqs > n:
