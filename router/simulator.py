@@ -23,7 +23,30 @@ staggered across routers); queue_len is the snapshot's queue length, corrected b
 this router itself sent or saw finish since. Requests are shared among the routers at random.
 The caller's rule is Serve's: the shortest queue with room (below `max_ongoing_requests`) in the
 first tier that has any; with no room anywhere the request still goes to the first tier's
-shortest queue (Serve would hold it in the caller instead; the wait is similar).
+shortest queue.
+
+Between the router and the engine (all off by default, so a routed request is in the replica's
+queue at once):
+- `dispatch_s`: ingress/transport latency from the caller's send to the engine's queue.
+- `hold_at_caller`: Serve's `max_ongoing_requests`. A request whose replica already has that
+  many requests sent and unfinished waits in the caller, in order, and is sent when one of them
+  finishes. (Serve re-runs the choice while it holds a request; the model keeps the first
+  choice, which is the first tier's shortest queue.) A replica's queue length as routers see it
+  counts the requests sent to it and those held for it.
+- `prefetch_hints`: router-fed prefetch (router/serve_router.py, router/hints.py,
+  replicas/adapters/prefetcher.py). At routing time the router hints the first tier's shortest
+  queue, unless its (stale) view shows the adapter there on the GPU or loading, or, with
+  `hint_free_slots_only` (as the router is written), shows no free slot; one hint per
+  (adapter, replica) per router each `hint_interval_s`. The hint reaches the replica after
+  `hint_latency_s`, due then. The replica keeps at most `hint_capacity` hints (the latest due
+  gives way), drops them `hint_ttl_s` after they were due or when a request for the adapter is
+  admitted, starts the disk read at once (if it holds no more hints than host entries), and
+  gives the adapter a slot soonest-due first: a free slot, else the idle slot whose next need
+  is latest, only when that need is strictly later than the hint's (the prefetcher's rule). Needs
+  are waiting requests (due when they reached the replica) and other hints; a held slot, a slot
+  still loading, or any slot while a waiting request is blocked without one, is never taken.
+  A waiting request's own load may take an idle hinted slot, only after every idle slot no one
+  needs (it is needed now; the hinted request is not there yet).
 """
 
 from __future__ import annotations
@@ -100,6 +123,16 @@ class SimConfig:
     # that cold start says nothing about a policy.
     warmup_fraction: float = 0.2
     seed: int = 0
+    # Between the router and the engine (see the module docstring); the defaults send a request
+    # into its replica's queue the moment it is routed.
+    dispatch_s: float = 0.0
+    hold_at_caller: bool = False
+    prefetch_hints: bool = False
+    hint_latency_s: float = 0.001
+    hint_interval_s: float = 0.5  # router/hints.py HINT_INTERVAL_S
+    hint_free_slots_only: bool = True  # router/serve_router.py hints only into a free slot
+    hint_ttl_s: float = 30.0  # replicas/adapters/manager.py HINT_TTL_S
+    hint_capacity: int = 256
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1 or self.num_adapters < 1 or self.num_requests < 1:
@@ -112,6 +145,10 @@ class SimConfig:
             raise ValueError("need at least one router")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError("warmup_fraction must be in [0, 1)")
+        if min(self.dispatch_s, self.hint_latency_s, self.hint_interval_s, self.hint_ttl_s) < 0:
+            raise ValueError("latencies, intervals and lifetimes cannot be negative")
+        if self.hint_capacity < 1:
+            raise ValueError("the hint queue needs room for at least one hint")
 
     @property
     def replica_rps(self) -> float:
@@ -141,7 +178,7 @@ class SimResult:
     num_requests: int  # measured, after the warm-up
     finished: int  # all requests, warm-up included
     sim_time_s: float
-    hit_rate: float  # request found its adapter in a GPU slot (ready or loading) on arrival
+    hit_rate: float  # adapter in a GPU slot (ready or loading) when the request reached it
     loads_per_1k: float  # host→GPU copies per 1,000 requests
     disk_reads_per_1k: float
     imbalance_requests: float  # max / mean of measured requests routed per replica
@@ -149,6 +186,16 @@ class SimResult:
     ttft_p50_s: float
     ttft_p99_s: float
     throughput_rps: float
+    ttft_mean_s: float = 0.0
+    # From reaching the replica until the adapter's slot was ready there (0 when it already
+    # was), averaged over every measured request.
+    adapter_wait_mean_s: float = 0.0
+    held_fraction: float = 0.0  # share of requests held in the caller (max_ongoing_requests)
+    caller_wait_mean_s: float = 0.0  # mean time from routing to sending, over all requests
+    hints_per_1k: float = 0.0  # hints that reached a replica
+    hints_misdirected_per_1k: float = 0.0  # hinted a replica other than the one chosen
+    hint_loads_per_1k: float = 0.0  # host→GPU copies a hint started
+    hint_loads_wasted_per_1k: float = 0.0  # of those, evicted before any request used them
     wall_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -160,17 +207,32 @@ class SimResult:
 
 
 class _Request:
-    __slots__ = ("rid", "adapter", "arrival", "prompt", "output", "router", "replica", "ttft")
+    __slots__ = (
+        "rid",
+        "adapter",
+        "arrival",
+        "prompt",
+        "output",
+        "router",
+        "replica",
+        "ttft",
+        "sent",
+        "reached",
+        "adapter_wait",
+    )
 
     def __init__(self, rid: int, adapter: str | None, arrival: float, prompt: int, output: int):
         self.rid = rid
         self.adapter = adapter
-        self.arrival = arrival
+        self.arrival = arrival  # routed at this time; TTFT counts from here
         self.prompt = prompt
         self.output = output
         self.router = 0
         self.replica = -1
         self.ttft = math.nan
+        self.sent = math.nan  # left the caller (later than `arrival` when held there)
+        self.reached = math.nan  # entered the replica's waiting queue
+        self.adapter_wait = 0.0
 
 
 def generate_requests(config: SimConfig, rng: random.Random) -> list[_Request]:
@@ -226,11 +288,13 @@ def _bisect_cum(cum: list[float], x: float) -> int:
 
 
 class _Slot:
-    __slots__ = ("holds", "ready")
+    __slots__ = ("holds", "ready", "ready_at", "hinted")
 
-    def __init__(self) -> None:
+    def __init__(self, hinted: bool = False) -> None:
         self.holds = 0
         self.ready = False
+        self.ready_at = math.inf
+        self.hinted = hinted  # loaded by a hint, no request has used it yet
 
 
 class _Replica:
@@ -250,6 +314,13 @@ class _Replica:
         self.copy_free = 0.0
         self.draining: str | None = None
         self.starving_since = math.inf
+        # Between the router and the engine queue.
+        self.held: deque[_Request] = deque()  # waiting in the callers for room here
+        self.in_transit = 0
+        # The prefetcher's hints: adapter -> due; `unplaced` are those without a slot.
+        self.hints: dict[str, float] = {}
+        self.unplaced: dict[str, float] = {}
+        self.next_expiry = 0.0
         # metrics
         self.routed = 0
         self.queue_area = 0.0
@@ -257,7 +328,18 @@ class _Replica:
 
     @property
     def queue_len(self) -> int:
+        """Requests in the engine: waiting and running."""
         return len(self.waiting) + self.running
+
+    @property
+    def ongoing(self) -> int:
+        """Requests sent here and not finished (what `max_ongoing_requests` bounds)."""
+        return self.in_transit + self.queue_len
+
+    @property
+    def committed(self) -> int:
+        """Requests routed here and not finished, those held in the callers included."""
+        return self.ongoing + len(self.held)
 
     def account(self, now: float) -> None:
         self.queue_area += self.queue_len * (now - self.queue_t)
@@ -279,6 +361,7 @@ class _RouterState:
         self.own_at_snapshot = [0] * n
         self.queue_at_snapshot = [0] * n
         self.views = [ReplicaView(rid) for rid in self.ids]
+        self.last_hint: dict[tuple[str, int], float] = {}  # (adapter, replica) -> when hinted
 
     def queue_estimate(self, i: int) -> int:
         return max(0, self.queue_at_snapshot[i] - self.own_at_snapshot[i] + self.own[i])
@@ -288,7 +371,7 @@ class _RouterState:
             gpu = frozenset(a for a, s in rep.slots.items() if s.ready)
             loading = frozenset(a for a, s in rep.slots.items() if not s.ready)
             host = frozenset(a for a, ready_at in rep.host.items() if ready_at <= now)
-            self.queue_at_snapshot[i] = rep.queue_len
+            self.queue_at_snapshot[i] = rep.committed
             self.own_at_snapshot[i] = self.own[i]
             self.views[i] = ReplicaView(
                 replica_id=rep.replica_id,
@@ -297,14 +380,15 @@ class _RouterState:
                 host=host,
                 num_slots=num_slots,
                 free_slots=num_slots - len(rep.slots),
-                queue_len=rep.queue_len,
+                queue_len=rep.committed,
             )
 
     def bump(self, i: int, delta: int) -> None:
         self.own[i] += delta
         self.views[i] = replace(self.views[i], queue_len=self.queue_estimate(i))
 
-    def choose(self, adapter: str | None, max_ongoing: int) -> int:
+    def choose(self, adapter: str | None, max_ongoing: int) -> tuple[int, list[list[str]]]:
+        """The replica the request goes to, and the policy's tiers it was chosen from."""
         tiers = self.policy.rank(adapter, self.views)
         for tier in tiers:
             best = -1
@@ -315,14 +399,58 @@ class _RouterState:
                 if q < best_q:
                     best, best_q = i, q
             if best >= 0:
-                return best
+                return best, tiers
         # No room anywhere: the first tier's shortest queue.
+        return self.first_tier_shortest(tiers), tiers
+
+    def first_tier_shortest(self, tiers: list[list[str]]) -> int:
         return min((self.position[rid] for rid in tiers[0]), key=lambda i: self.views[i].queue_len)
+
+    def hint_target(
+        self, adapter: str, tiers: list[list[str]], now: float, config: SimConfig
+    ) -> int | None:
+        """The replica to hint, as router/serve_router.py picks it (the first tier's shortest
+        queue), or None when its view or the debounce says not to."""
+        i = self.first_tier_shortest(tiers)
+        view = self.views[i]
+        if adapter in view.gpu or adapter in view.loading:
+            return None
+        if config.hint_free_slots_only and view.free_slots == 0:
+            return None
+        key = (adapter, i)
+        last = self.last_hint.get(key)
+        if last is not None and now - last < config.hint_interval_s:
+            return None
+        self.last_hint[key] = now
+        return i
 
 
 # ---------------------------------------------------------------------------------------------
 
-_ARRIVAL, _STEP_END, _LOAD_DONE, _SNAPSHOT = range(4)
+_ARRIVAL, _STEP_END, _LOAD_DONE, _SNAPSHOT, _REACH, _HINT = range(6)
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One event of a recorded run (`Simulation(..., record=True).log`).
+
+    kind: "route" (the router chose `replica` for request `rid`), "reach" (it entered that
+    replica's queue), "hint" (a hint for `adapter` reached `replica`; `due` is its due time),
+    "load" (a slot was given to `adapter` and its load started; `cause` "hint" or "demand";
+    `victim` the adapter evicted for it, with the holds it had and its next need: the earliest
+    of the waiting requests' arrivals and its hint's due, inf when none).
+    """
+
+    t: float
+    kind: str
+    replica: int
+    adapter: str | None = None
+    rid: int | None = None
+    cause: str = ""
+    due: float = math.inf
+    victim: str | None = None
+    victim_holds: int = 0
+    victim_need: float = math.inf
 
 
 class Simulation:
@@ -330,7 +458,9 @@ class Simulation:
 
     `on_evict(replica_id, adapter, holds)` is called for every GPU-slot eviction, before it
     happens; the simulator itself raises SimulationError if `holds` is not 0 or the slot is still
-    loading, so a hook may only observe."""
+    loading, so a hook may only observe. `record=True` keeps a `log` of LogEntry (slower).
+    `requests`, (arrival, adapter, prompt tokens, output tokens) in arrival order, replaces the
+    generated stream (a trace, or a hand-made case)."""
 
     def __init__(
         self,
@@ -339,12 +469,25 @@ class Simulation:
         *,
         policy_name: str = "",
         on_evict: Callable[[str, str, int], None] | None = None,
+        record: bool = False,
+        requests: Sequence[tuple[float, str | None, int, int]] | None = None,
     ) -> None:
         self.config = config
         self.policy_name = policy_name
         self.on_evict = on_evict
+        self.log: list[LogEntry] | None = [] if record else None
         self.rng = random.Random(config.seed)
-        self.requests = generate_requests(config, self.rng)
+        if requests is None:
+            self.requests = generate_requests(config, self.rng)
+        else:
+            if not requests:
+                raise ValueError("need at least one request")
+            self.requests = [
+                _Request(i, adapter, arrival, prompt, output)
+                for i, (arrival, adapter, prompt, output) in enumerate(requests)
+            ]
+            if any(a.arrival > b.arrival for a, b in itertools.pairwise(self.requests)):
+                raise ValueError("requests must be in arrival order")
         self.replicas = [_Replica(i, f"replica-{i:03d}") for i in range(config.num_replicas)]
         self.routers = [
             _RouterState(i, make_policy(i), self.replicas) for i in range(config.num_routers)
@@ -355,6 +498,10 @@ class Simulation:
         self.hits = 0
         self.loads = 0
         self.disk_reads = 0
+        self.hints_sent = 0
+        self.hints_misdirected = 0
+        self.hint_loads = 0
+        self.hint_loads_wasted = 0
         self.finished = 0
         self.first_measured = int(config.warmup_fraction * len(self.requests))
         self.measured_since = 0.0
@@ -380,7 +527,7 @@ class Simulation:
             t, _, kind, payload = heapq.heappop(self._events)
             self.now = t
             if kind == _ARRIVAL:
-                self._arrive(payload)  # type: ignore[arg-type]
+                self._route(payload)  # type: ignore[arg-type]
                 nxt = next(arrivals, None)
                 if nxt is not None:
                     self._push(nxt.arrival, _ARRIVAL, nxt)
@@ -388,9 +535,18 @@ class Simulation:
                 self._step_end(payload)  # type: ignore[arg-type]
             elif kind == _LOAD_DONE:
                 rep, adapter = payload  # type: ignore[misc]
-                rep.slots[adapter].ready = True
+                slot = rep.slots[adapter]
+                slot.ready = True
+                slot.ready_at = t
                 if not rep.busy:
                     self._schedule(rep)
+            elif kind == _REACH:
+                req: _Request = payload  # type: ignore[assignment]
+                self.replicas[req.replica].in_transit -= 1
+                self._reach(req)
+            elif kind == _HINT:
+                rep, adapter = payload  # type: ignore[misc]
+                self._take_hint(rep, adapter)
             else:
                 router = payload
                 router.refresh(self.replicas, t, c.num_slots)  # type: ignore[union-attr]
@@ -401,30 +557,61 @@ class Simulation:
 
     def _start_measuring(self) -> None:
         self.hits = self.loads = self.disk_reads = 0
+        self.hints_sent = self.hints_misdirected = self.hint_loads = self.hint_loads_wasted = 0
         for rep in self.replicas:
             rep.account(self.now)
             rep.routed = 0
             rep.queue_area = 0.0
         self.measured_since = self.now
 
-    def _arrive(self, req: _Request) -> None:
+    def _route(self, req: _Request) -> None:
         c = self.config
         if req.rid == self.first_measured:
             self._start_measuring()
         router = self.routers[self.rng.randrange(len(self.routers))]
         req.router = router.index
-        i = router.choose(req.adapter, c.max_ongoing_requests)
+        i, tiers = router.choose(req.adapter, c.max_ongoing_requests)
         router.policy.on_routed(req.adapter, router.ids[i])
         router.bump(i, +1)
         rep = self.replicas[i]
         req.replica = i
         rep.routed += 1
+        if self.log is not None:
+            self.log.append(LogEntry(self.now, "route", i, req.adapter, req.rid))
+        if c.prefetch_hints and req.adapter is not None:
+            target = router.hint_target(req.adapter, tiers, self.now, c)
+            if target is not None:
+                self.hints_sent += 1
+                self.hints_misdirected += target != i
+                self._push(self.now + c.hint_latency_s, _HINT, (self.replicas[target], req.adapter))
+        if c.hold_at_caller and (rep.held or rep.ongoing >= c.max_ongoing_requests):
+            rep.held.append(req)
+        else:
+            self._send(rep, req)
+
+    def _send(self, rep: _Replica, req: _Request) -> None:
+        if self.config.hold_at_caller and rep.ongoing >= self.config.max_ongoing_requests:
+            raise SimulationError(f"{rep.replica_id} sent more than max_ongoing_requests")
+        req.sent = self.now
+        if self.config.dispatch_s > 0:
+            rep.in_transit += 1
+            self._push(self.now + self.config.dispatch_s, _REACH, req)
+        else:
+            self._reach(req)
+
+    def _reach(self, req: _Request) -> None:
+        """The request enters its replica's waiting queue."""
+        rep = self.replicas[req.replica]
+        req.reached = self.now
+        if self.log is not None:
+            self.log.append(LogEntry(self.now, "reach", rep.index, req.adapter, req.rid))
         if req.adapter is None or req.adapter in rep.slots:
             self.hits += 1
         rep.account(self.now)
         rep.waiting.append(req)
         if req.adapter is not None:
             rep.wanting[req.adapter] = rep.wanting.get(req.adapter, 0) + 1
+            rep.unplaced.pop(req.adapter, None)  # a waiting need now: the queue brings it in
         if rep.busy:
             # The prefetcher starts the load now; admission waits for the step boundary.
             if req.adapter is not None and req.adapter not in rep.slots:
@@ -432,57 +619,172 @@ class Simulation:
         else:
             self._schedule(rep)
 
+    # -- prefetch hints -------------------------------------------------------------------------
+
+    def _take_hint(self, rep: _Replica, adapter: str) -> None:
+        """A hint reaches the replica's prefetcher: queue it, start the disk read, and place it
+        (and any earlier hints still without a slot) if the rule allows."""
+        c = self.config
+        due = self.now
+        if self.log is not None:
+            self.log.append(LogEntry(due, "hint", rep.index, adapter, due=due))
+        self._expire_hints(rep)
+        if adapter in rep.hints:
+            rep.hints[adapter] = min(rep.hints[adapter], due)
+        else:
+            if len(rep.hints) >= c.hint_capacity:
+                latest = max(rep.hints, key=rep.hints.__getitem__)
+                if rep.hints[latest] <= due:
+                    return  # the new hint is the latest: it is the one dropped
+                del rep.hints[latest]
+                rep.unplaced.pop(latest, None)
+            rep.hints[adapter] = due
+        if adapter in rep.slots or rep.wanting.get(adapter):
+            return  # resident, or a waiting request already brings it in
+        rep.unplaced[adapter] = rep.hints[adapter]
+        if adapter not in rep.host and len(rep.hints) <= c.host_capacity:
+            self._read(rep, adapter)
+        self._place_hints(rep)
+
+    def _expire_hints(self, rep: _Replica) -> None:
+        if self.now < rep.next_expiry:
+            return
+        rep.next_expiry = self.now + 1.0
+        before = self.now - self.config.hint_ttl_s
+        for adapter in [a for a, due in rep.hints.items() if due < before]:
+            del rep.hints[adapter]
+            rep.unplaced.pop(adapter, None)
+
+    def _place_hints(self, rep: _Replica) -> None:
+        """Give hinted adapters slots, soonest due first, stopping at the first that gets none.
+        Nothing while a waiting request is blocked without a slot: it is needed sooner."""
+        if not rep.unplaced or rep.starving_since != math.inf:
+            return
+        self._expire_hints(rep)
+        for adapter, due in sorted(rep.unplaced.items(), key=lambda item: item[1]):
+            victim = None
+            if len(rep.slots) >= self.config.num_slots:
+                victim = self._hint_victim(rep, due)
+                if victim is None:
+                    return
+            self._load(rep, adapter, victim, hinted=True, due=due)
+
+    def _hint_victim(self, rep: _Replica, due: float) -> str | None:
+        """The idle slot whose next need is latest (never needed first, then least recently
+        used), if that need is strictly later than `due`."""
+        best: str | None = None
+        best_need = -math.inf
+        for adapter, slot in rep.slots.items():
+            if slot.holds or not slot.ready or rep.wanting.get(adapter):
+                continue
+            need = rep.hints.get(adapter, math.inf)
+            if need == math.inf:
+                return adapter
+            if need > best_need:
+                best, best_need = adapter, need
+        return best if best_need > due else None
+
     # -- adapter tiers ------------------------------------------------------------------------
 
     def _victim(self, rep: _Replica) -> str | None:
-        """The slot to give up: the draining adapter once it is idle, else the least recently
-        used idle one that no waiting request wants."""
+        """The slot to give up for a waiting request: the draining adapter once it is idle,
+        else the least recently used idle one that no waiting request wants and no hint expects,
+        else the idle hinted one due latest."""
         if rep.draining is not None:
             slot = rep.slots.get(rep.draining)
             if slot is not None and slot.holds == 0 and slot.ready:
                 return rep.draining
+        hinted: str | None = None
         for adapter, slot in rep.slots.items():
             if slot.holds == 0 and slot.ready and not rep.wanting.get(adapter):
-                return adapter
-        return None
+                due = rep.hints.get(adapter)
+                if due is None:
+                    return adapter
+                if hinted is None or due > rep.hints[hinted]:
+                    hinted = adapter
+        return hinted
 
     def _try_load(self, rep: _Replica, adapter: str, req: _Request) -> bool:
-        """Give `adapter` a slot and start its load; False when no slot can be had."""
-        c = self.config
-        if len(rep.slots) >= c.num_slots:
+        """Give `adapter` a slot for a waiting request and start its load; False when no slot
+        can be had."""
+        victim = None
+        if len(rep.slots) >= self.config.num_slots:
             victim = self._victim(rep)
             if victim is None:
                 if rep.starving_since == math.inf:
-                    rep.starving_since = req.arrival
+                    rep.starving_since = req.reached
                 return False
+        self._load(rep, adapter, victim, hinted=False, due=req.reached)
+        return True
+
+    def _load(
+        self, rep: _Replica, adapter: str, victim: str | None, *, hinted: bool, due: float
+    ) -> None:
+        """Evict `victim` (if any), give `adapter` its slot and start the disk read (when not
+        in host memory) and the host→GPU copy."""
+        c = self.config
+        if victim is not None:
             slot = rep.slots[victim]
+            if self.log is not None:
+                self._log_load(rep, adapter, victim, slot.holds, hinted, due)
             if self.on_evict is not None:
                 self.on_evict(rep.replica_id, victim, slot.holds)
             if slot.holds != 0 or not slot.ready:
                 raise SimulationError(f"evicting {victim} with {slot.holds} holds")
+            if hinted and (rep.wanting.get(victim) or rep.hints.get(victim, math.inf) <= due):
+                raise SimulationError(f"a hint for {adapter} evicted {victim}, needed sooner")
             del rep.slots[victim]
             if rep.draining == victim:
                 rep.draining = None
                 rep.starving_since = math.inf
-        rep.slots[adapter] = _Slot()
+            if slot.hinted:
+                self.hint_loads_wasted += 1
+            if victim in rep.hints and not rep.wanting.get(victim):
+                rep.unplaced[victim] = rep.hints[victim]  # still expected: place it again
+        elif self.log is not None:
+            self._log_load(rep, adapter, None, 0, hinted, due)
+        if adapter in rep.slots:
+            raise SimulationError(f"{adapter} given a second slot")
+        rep.unplaced.pop(adapter, None)
+        rep.slots[adapter] = _Slot(hinted)
         now = self.now
         on_host = rep.host.get(adapter)
         if on_host is None:
-            start = max(now, rep.disk_free)
-            on_host = rep.disk_free = start + c.disk_to_host_s
-            self.disk_reads += 1
-            rep.host[adapter] = on_host
-            if len(rep.host) > c.host_capacity:
-                for old, ready_at in rep.host.items():
-                    if ready_at <= now and old != adapter:
-                        del rep.host[old]
-                        break
+            on_host = self._read(rep, adapter)
         else:
             rep.host.move_to_end(adapter)
         done = rep.copy_free = max(now, on_host, rep.copy_free) + c.host_to_gpu_s
         self.loads += 1
+        self.hint_loads += hinted
         self._push(done, _LOAD_DONE, (rep, adapter))
-        return True
+
+    def _read(self, rep: _Replica, adapter: str) -> float:
+        """Queue a disk → host read; returns when the adapter will be in host memory."""
+        c = self.config
+        now = self.now
+        start = max(now, rep.disk_free)
+        on_host = rep.disk_free = start + c.disk_to_host_s
+        self.disk_reads += 1
+        rep.host[adapter] = on_host
+        if len(rep.host) > c.host_capacity:
+            for old, ready_at in rep.host.items():
+                if ready_at <= now and old != adapter:
+                    del rep.host[old]
+                    break
+        return on_host
+
+    def _log_load(
+        self, rep: _Replica, adapter: str, victim: str | None, holds: int, hinted: bool, due: float
+    ) -> None:
+        need = math.inf
+        if victim is not None:
+            # Found from the queue itself, not from the bookkeeping the rule uses.
+            waits = [r.reached for r in rep.waiting if r.adapter == victim]
+            need = min([*waits, rep.hints.get(victim, math.inf)])
+        cause = "hint" if hinted else "demand"
+        self.log.append(  # type: ignore[union-attr]
+            LogEntry(self.now, "load", rep.index, adapter, None, cause, due, victim, holds, need)
+        )
 
     # -- batching -----------------------------------------------------------------------------
 
@@ -530,6 +832,7 @@ class Simulation:
             # Every request that wanted a slot got one: nothing starves, nothing need drain.
             rep.draining = None
             rep.starving_since = math.inf
+        self._place_hints(rep)
         if rep.admitted or rep.running:
             new_tokens = sum(r.prompt for r in rep.admitted)
             batch = rep.running
@@ -542,6 +845,9 @@ class Simulation:
     def _admit(self, rep: _Replica, req: _Request, slot: _Slot | None) -> None:
         if slot is not None:
             slot.holds += 1
+            slot.hinted = False
+            req.adapter_wait = max(0.0, slot.ready_at - req.reached)
+            rep.hints.pop(req.adapter, None)  # type: ignore[arg-type]
             rep.slots.move_to_end(req.adapter)  # type: ignore[arg-type]
             left = rep.wanting[req.adapter] - 1  # type: ignore[index]
             if left:
@@ -574,6 +880,9 @@ class Simulation:
             router = self.routers[req.router]
             router.policy.on_finished(req.adapter, rep.replica_id)
             router.bump(rep.index, -1)
+        max_ongoing = self.config.max_ongoing_requests
+        while rep.held and rep.ongoing < max_ongoing:
+            self._send(rep, rep.held.popleft())
         self._schedule(rep)
 
     # -- metrics ------------------------------------------------------------------------------
@@ -588,6 +897,8 @@ class Simulation:
         routed = [rep.routed for rep in self.replicas]
         span = end - self.measured_since
         queues = [rep.queue_area / span if span > 0 else 0.0 for rep in self.replicas]
+        held = sum(1 for r in reqs if r.sent > r.arrival)
+        per_1k = 1000 / n
         return SimResult(
             policy=self.policy_name,
             workload=self.config.workload.name,
@@ -604,6 +915,14 @@ class Simulation:
             ttft_p50_s=_quantile(ttfts, 0.50),
             ttft_p99_s=_quantile(ttfts, 0.99),
             throughput_rps=n / span if span > 0 else 0.0,
+            ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+            adapter_wait_mean_s=sum(r.adapter_wait for r in reqs) / n,
+            held_fraction=held / n,
+            caller_wait_mean_s=sum(r.sent - r.arrival for r in reqs) / n,
+            hints_per_1k=per_1k * self.hints_sent,
+            hints_misdirected_per_1k=per_1k * self.hints_misdirected,
+            hint_loads_per_1k=per_1k * self.hint_loads,
+            hint_loads_wasted_per_1k=per_1k * self.hint_loads_wasted,
             wall_s=wall_s,
         )
 

@@ -1,9 +1,11 @@
-"""The routing simulator: determinism, conservation, the slot invariant, and that affinity is
-worth something on a skewed workload. Small fleets, so the whole file runs in seconds."""
+"""The routing simulator: determinism, conservation, the slot invariant, that affinity is worth
+something on a skewed workload, and router-fed prefetch hints (load before arrival, never evicting
+what is needed sooner, less adapter wait). Small fleets, so the whole file runs in seconds."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -94,3 +96,113 @@ class TestAffinityPaysOff:
         pow2 = simulate(SMALL, lambda i: PowerOfTwoPolicy(seed=i))
         assert ours.ttft_p99_s < pow2.ttft_p99_s
         assert ours.imbalance_queue <= 1.25
+
+
+# A request takes 50 ms from the router to the replica's queue: long enough for a hinted load
+# (40 ms disk read + 1.5 ms copy) to finish before the request is there.
+DISPATCHED = replace(SMALL, dispatch_s=0.05, hold_at_caller=True, load_fraction=0.3)
+HINTED = replace(DISPATCHED, prefetch_hints=True, hint_free_slots_only=False)
+
+
+def first(log, kind, rid=None, adapter=None, cause=None):
+    return next(
+        e
+        for e in log
+        if e.kind == kind
+        and (rid is None or e.rid == rid)
+        and (adapter is None or e.adapter == adapter)
+        and (cause is None or e.cause == cause)
+    )
+
+
+class TestPrefetchHints:
+    def test_off_by_default(self):
+        config = SimConfig()
+        assert not config.prefetch_hints and not config.hold_at_caller and config.dispatch_s == 0
+
+    def test_cold_load_starts_at_routing_time(self):
+        sim = Simulation(HINTED, lambda i: AffinityPolicy(), record=True)
+        sim.run()
+        route, reach = first(sim.log, "route", rid=0), first(sim.log, "reach", rid=0)
+        load = first(sim.log, "load", adapter=route.adapter)
+        assert load.cause == "hint" and load.replica == route.replica
+        assert load.t == pytest.approx(route.t + HINTED.hint_latency_s)
+        assert load.t < reach.t == pytest.approx(route.t + HINTED.dispatch_s)
+        # Not just the first: most cold adapters start loading before their request is there.
+        assert sum(e.kind == "load" and e.cause == "hint" for e in sim.log) > 200
+
+    def test_without_hints_the_load_waits_for_the_request(self):
+        sim = Simulation(DISPATCHED, lambda i: AffinityPolicy(), record=True)
+        sim.run()
+        reach = first(sim.log, "reach", rid=0)
+        load = first(sim.log, "load", adapter=reach.adapter)
+        assert load.cause == "demand" and load.t == reach.t
+        assert not any(e.kind == "hint" for e in sim.log)
+
+    def test_a_hint_does_not_evict_an_adapter_hinted_sooner(self):
+        # One replica, two slots. "a" runs throughout; "x" is hinted at 1.0 and its request
+        # takes 0.5 s to arrive, so "x" sits loaded and idle; the hint for "y" at 1.1 must not
+        # take its slot (x is due first), and no other slot is free.
+        config = replace(HINTED, num_replicas=1, num_slots=2, dispatch_s=0.5, warmup_fraction=0)
+        stream = [(0.0, "a", 128, 400), (1.0, "x", 128, 8), (1.1, "y", 128, 8)]
+        sim = Simulation(config, lambda i: AffinityPolicy(), record=True, requests=stream)
+        sim.run()
+        assert first(sim.log, "hint", adapter="y").t == pytest.approx(1.1 + config.hint_latency_s)
+        loads = [(e.adapter, e.cause, e.victim) for e in sim.log if e.kind == "load"]
+        assert loads[:2] == [("a", "hint", None), ("x", "hint", None)]
+        assert ("y", "hint", "x") not in loads
+        assert sum(adapter == "x" for adapter, _, _ in loads) == 1  # never evicted, never reloaded
+        x = sim.requests[1]
+        assert x.adapter_wait == 0.0  # loaded ahead, still there when its request came
+        # "y" waited for a slot: it got one after "x" finished, not by a hint.
+        assert loads[2] == ("y", "demand", "x")
+
+    def test_hints_never_evict_what_is_needed_sooner(self):
+        holds_at_eviction: list[int] = []
+        # Many cold adapters and requests held in the caller: hints compete for slots.
+        config = replace(
+            HINTED,
+            workload=Workload("uniform"),
+            max_ongoing_requests=24,
+            num_requests=1500,
+        )
+        sim = Simulation(
+            config,
+            lambda i: AffinityPolicy(),
+            on_evict=lambda rid, adapter, holds: holds_at_eviction.append(holds),
+            record=True,
+        )
+        sim.run()
+        assert sim.finished == config.num_requests
+        assert set(holds_at_eviction) == {0}
+        evictions = [e for e in sim.log if e.kind == "load" and e.cause == "hint" and e.victim]
+        assert len(evictions) > 50
+        for e in evictions:
+            assert e.victim_holds == 0
+            assert e.victim_need > e.due, f"{e.victim} was needed at {e.victim_need}"
+
+    def test_hints_lower_adapter_wait_with_a_dispatch_delay(self):
+        plain = simulate(DISPATCHED, lambda i: AffinityPolicy())
+        hinted = simulate(HINTED, lambda i: AffinityPolicy())
+        assert hinted.hint_loads_per_1k > 100
+        assert hinted.adapter_wait_mean_s < 0.5 * plain.adapter_wait_mean_s
+        assert hinted.ttft_mean_s < plain.ttft_mean_s
+
+    def test_router_hints_only_into_free_slots(self):
+        # As router/serve_router.py is written: once every slot has held an adapter, the stats
+        # never show a free one again, so no hint goes out.
+        config = replace(HINTED, hint_free_slots_only=True)
+        result = simulate(config, lambda i: AffinityPolicy())
+        assert result.hints_per_1k == 0
+
+
+class TestCallerHold:
+    def test_requests_beyond_max_ongoing_wait_in_the_caller(self):
+        config = replace(DISPATCHED, max_ongoing_requests=8, load_fraction=0.8)
+        sim = Simulation(config, lambda i: AffinityPolicy())
+        result = sim.run()
+        assert result.finished == config.num_requests
+        assert result.held_fraction > 0.1
+        for r in sim.requests:
+            assert r.arrival <= r.sent < r.reached < r.arrival + r.ttft
+            assert r.reached == pytest.approx(r.sent + config.dispatch_s)
