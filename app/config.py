@@ -65,6 +65,14 @@ class AppArgs(BaseModel):
         default="auto",
         description="Where engine replicas run. auto: cuda when the Ray cluster has GPUs.",
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        default="auto",
+        description=(
+            "Where the base model's weights come from. auto: the model folder's safetensors. "
+            "dummy: random weights of the model's shapes (config.json and a tokenizer suffice), "
+            "for benchmarks; the text is gibberish."
+        ),
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
         description="Weight and activation dtype. auto: bfloat16 on cuda, float32 on cpu.",
@@ -157,6 +165,14 @@ class AppArgs(BaseModel):
             "replicas reporting the adapter on GPU first)."
         ),
     )
+    router_prefetch_hints: bool = Field(
+        default=True,
+        description=(
+            "With router affinity and adapter_loading prefetch: the router tells the replica it "
+            "picked which adapter is coming, before the request gets there, so its prefetcher "
+            "can start loading. false: replicas prefetch from their own queues only."
+        ),
+    )
     demo_cache_dir: str | None = Field(
         default=None,
         description="Where the demo is built. Default: $LORAFLEET_CACHE or ~/.cache/lorafleet.",
@@ -231,6 +247,7 @@ class AppArgs(BaseModel):
         ("cpu" or "cuda": "auto" is resolved by the caller)."""
         return EngineConfig(
             model=str(model_dir),
+            load_format="dummy" if self.load_format == "dummy" else "safetensors",
             device=device,
             dtype=self.dtype,
             max_num_seqs=self.max_num_seqs,

@@ -102,13 +102,13 @@ ROUTING_STATS_PERIOD_S = 0.5  # how often Serve's controller polls each replica'
 
 def request_router_config(args: AppArgs) -> dict[str, Any]:
     """The engine deployment's `request_router_config` for `args.router`. Affinity routing sends
-    prefetch hints only when the engines prefetch (otherwise nothing would act on them)."""
+    prefetch hints when asked to and the engines prefetch (otherwise nothing would act on them)."""
     if args.router == "pow2":
         return {"request_router_class": POW2_ROUTER}
     return {
         "request_router_class": AFFINITY_ROUTER,
         "request_router_kwargs": {
-            "prefetch_hints": args.loading_mode == "prefetch",
+            "prefetch_hints": args.router_prefetch_hints and args.loading_mode == "prefetch",
             "num_slots": args.max_loras_per_batch,
         },
         "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,

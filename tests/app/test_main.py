@@ -131,3 +131,35 @@ class TestBuildApp:
 def test_explicit_device_is_kept():
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("cuda") == "cuda"
+
+
+class TestRouterConfig:
+    """The engine deployment's request router follows `router`, and the affinity router sends
+    prefetch hints only when asked to and when the engines prefetch."""
+
+    def _config(self, **kw):
+        from app.config import AppArgs
+        from app.main import request_router_config
+
+        return request_router_config(AppArgs(**kw))
+
+    def test_pow2_is_rays_default_router(self):
+        assert self._config(router="pow2")["request_router_class"].endswith(
+            "PowerOfTwoChoicesRequestRouter"
+        )
+
+    def test_affinity_hints_follow_the_arg_and_the_loading_mode(self):
+        kwargs = lambda **kw: self._config(router="affinity", **kw)["request_router_kwargs"]
+        assert kwargs()["prefetch_hints"] is True
+        assert kwargs(router_prefetch_hints=False)["prefetch_hints"] is False
+        assert kwargs(adapter_loading="overlap")["prefetch_hints"] is False
+
+
+def test_load_format_reaches_the_engine(tmp_path):
+    from app.config import AppArgs
+
+    config = AppArgs(load_format="dummy").to_engine_config(tmp_path, "cpu")
+    assert config.load_format == "dummy"
+    assert AppArgs().to_engine_config(tmp_path, "cpu").load_format == "safetensors"
+    with pytest.raises(ValueError):
+        AppArgs(load_format="pickle")

@@ -1,0 +1,554 @@
+"""Routers compared on a real Serve deployment: the churn workload through HTTP, one engine
+replica per GPU, every router in the same run.
+
+    python -m benchmarks.bench_router_serve --replicas 2 --num-adapters 64 --rank 16 --slots 8 \
+        --rate 6 --num-requests 300 --popularity skewed,uniform --out benchmarks/results
+    python -m benchmarks.bench_router_serve --smoke     # CPU, tiny model, under two minutes
+
+For each router (affinity with the router's prefetch hints, affinity without them, Ray Serve's
+default power of two choices), the app is deployed in-process (`serve.run(build_app(args))`)
+with a Llama-3-8B-shaped model of random weights (`load_format: dummy`) and many rank-r adapters
+that share a few weight files. On that deployment each popularity's workload runs after a
+warm-up burst of its own (every adapter in turn, uncounted); the workloads are seeded, the same
+for every router. Serve is shut down before the next router's deployment.
+
+Figures per run: TTFT P50/P99, ITL P50/P99, E2E P50 and throughput (the client's), the GPU-slot
+hit rate (admissions that found their adapter in a slot, brought there ahead of time by the
+prefetcher included, so near 1 whenever the engines prefetch) and adapter loads into GPU slots
+per 1k requests (the routing figure; both from every replica's engine counters), load imbalance
+(max / mean of adapter requests finished per replica), the mean time a request waited for its
+adapter (the engines' `lorafleet_adapter_wait_seconds` histogram on Ray's metrics export, whose
+sum Ray builds from bucket midpoints, so it is good to a bucket's width), and how many replicas
+hold each adapter in memory at the end (from GET /v1/adapters). Each row is also set against
+pow2 at the same popularity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
+from benchmarks.common import device_name, write_results
+from benchmarks.loadgen import (
+    LengthRange,
+    LoadConfig,
+    OpenAIClient,
+    RunReport,
+    WorkloadConfig,
+    build_workload,
+    run_benchmark,
+)
+from benchmarks.loadgen.runner import warm_up
+from benchmarks.loadgen.workload import RequestSpec, workload_digest
+from replicas.models.spec import ModelSpec
+
+BASE_MODEL = "base"
+ENGINE_DEPLOYMENT = "EngineDeployment"
+WAIT_METRIC = "ray_lorafleet_adapter_wait_seconds"  # observed once per finished adapter request
+METRICS_REPORT_INTERVAL_MS = 500  # how often replicas push metrics to the export (default 10 s)
+METRICS_SETTLE_S = 20.0  # how long to wait for the export to show every finished request
+HEALTH_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class RouterSetup:
+    """One router configuration of the comparison."""
+
+    name: str
+    router: str  # AppArgs.router
+    prefetch_hints: bool  # the affinity router's request_router_kwargs["prefetch_hints"]
+
+
+ROUTERS = (
+    RouterSetup("affinity+hints", "affinity", True),
+    RouterSetup("affinity", "affinity", False),
+    RouterSetup("pow2", "pow2", False),
+)
+BASELINE = "pow2"
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and adapters
+
+
+def write_model(root: Path, model_config: Mapping[str, Any]) -> Path:
+    """A model folder the app can serve with `load_format: dummy`: config.json and a tokenizer
+    for the whole vocabulary. The tokenizer is the embedded demo's byte-level one (prompts are
+    token ids below 256, valid for it) plus one plain word per id above it, so that whatever id
+    the random weights pick decodes to text and streams as a chunk of its own."""
+    from app.demo import build_byte_tokenizer, save_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_tokens([f" x{i}" for i in range(len(tokenizer), model_config["vocab_size"])])
+    model_dir = root / "model"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text(json.dumps(dict(model_config)))
+    save_tokenizer(tokenizer, model_dir)
+    return model_dir
+
+
+def adapter_names(count: int) -> list[str]:
+    return [f"lora-{i}" for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployment
+
+
+def app_args(
+    args: argparse.Namespace, setup: RouterSetup, model_dir: Path, adapters: Mapping[str, str]
+) -> dict[str, Any]:
+    return {
+        "model": str(model_dir),
+        "served_model_name": BASE_MODEL,
+        "load_format": "dummy",
+        "adapters": dict(adapters),
+        "device": args.device,
+        "num_replicas": args.replicas,
+        "max_loras_per_batch": args.slots,
+        "max_loaded_loras": max(args.host_cache, args.slots),
+        "max_lora_rank": args.rank,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        # The engines prefetch from their own queues in every setup; only the router and its
+        # hints change.
+        "router": setup.router,
+        "router_prefetch_hints": setup.prefetch_hints,
+    }
+
+
+def build_application(args: Mapping[str, Any], setup: RouterSetup):
+    """`app.main.build_app` for one router setup (`args` from `app_args`)."""
+    from app import main
+
+    return main.build_app(dict(args))
+
+
+def wait_healthy(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the fleet says about itself
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """Every engine replica's counters at one moment: `engines`, one `stats()` answer per
+    replica (unordered, unnamed: only their sums are used), and `finished`, adapter requests
+    finished per replica id (from the metrics export, where each replica is tagged)."""
+
+    engines: list[dict[str, Any]]
+    finished: dict[str, float]
+    wait_sum_s: float
+
+    def total(self, key: str) -> int:
+        return sum(int(e[key]) for e in self.engines)
+
+
+def wait_histogram(metrics_url: str, app_name: str) -> tuple[dict[str, float], float]:
+    """Adapter requests finished per replica, and the sum of their waits in seconds, from the
+    Prometheus text of Ray's metrics export."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url, timeout=10).text
+    counts: dict[str, float] = {}
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name != WAIT_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.labels.get("application") != app_name:
+                continue
+            if sample.name == f"{WAIT_METRIC}_count":
+                replica = sample.labels.get("replica", "")
+                counts[replica] = counts.get(replica, 0.0) + sample.value
+            elif sample.name == f"{WAIT_METRIC}_sum":
+                total += sample.value
+    return counts, total
+
+
+async def snapshot(handle, metrics_url: str, app_name: str) -> FleetSnapshot:
+    """The fleet's counters, taken when no request is running. The metrics export trails the
+    engines by up to a report interval, so it is read until it shows as many finished adapter
+    requests as the engines admitted (or for METRICS_SETTLE_S at most)."""
+    engines = list(await handle.broadcast("stats").results_async(timeout_s=60))
+    admitted = sum(int(e["adapter_hits"]) + int(e["adapter_misses"]) for e in engines)
+    deadline = time.monotonic() + METRICS_SETTLE_S
+    while True:
+        finished, wait_sum = await asyncio.to_thread(wait_histogram, metrics_url, app_name)
+        if sum(finished.values()) >= admitted or time.monotonic() > deadline:
+            return FleetSnapshot(engines=engines, finished=finished, wait_sum_s=wait_sum)
+        await asyncio.sleep(0.25)
+
+
+def placement(listing: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """From GET /v1/adapters: over the adapters some replica holds, how many replicas hold each
+    on GPU (or loading there) and in memory at all, on average."""
+    if not listing:
+        return {"gpu_copies": None, "memory_copies": None}
+    on_gpu, in_memory = [], []
+    for card in listing.get("data", []):
+        tiers = [p.get("tier") for p in card.get("replicas", [])]
+        gpu = sum(t in ("gpu", "loading") for t in tiers)
+        memory = sum(t in ("gpu", "loading", "host") for t in tiers)
+        if gpu:
+            on_gpu.append(gpu)
+        if memory:
+            in_memory.append(memory)
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
+    return {"gpu_copies": mean(on_gpu), "memory_copies": mean(in_memory)}
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+
+
+@dataclass(frozen=True)
+class Workloads:
+    warmup: list[RequestSpec]
+    measured: list[RequestSpec]
+    load: LoadConfig
+
+
+def workloads(args: argparse.Namespace, names: list[str], popularity: str) -> Workloads:
+    def specs(kind: str, count: int, seed: int, output_len: LengthRange) -> list[RequestSpec]:
+        return build_workload(
+            WorkloadConfig(
+                num_prompts=count,
+                input_len=args.input_len,
+                output_len=output_len,
+                adapters=tuple(names),
+                base_model=BASE_MODEL,
+                popularity=kind,
+                seed=seed,
+            )
+        )
+
+    # The warm-up goes over the adapters in turn, all at once, with short outputs: batches of
+    # many adapters and prompts of every length on each replica before anything is timed.
+    warm_count = min(len(names), max(2, 4 * args.slots * args.replicas))
+    short = min(8, args.output_len.high)
+    return Workloads(
+        warmup=specs("distinct", warm_count, args.seed + 1, LengthRange(short, short)),
+        measured=specs(popularity, args.num_requests, args.seed, args.output_len),
+        load=LoadConfig(request_rate=args.rate, timeout_s=args.run_timeout, seed=args.seed),
+    )
+
+
+async def measure(url: str, metrics_url: str, app_name: str, work: Workloads) -> dict[str, Any]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
+    async with OpenAIClient(url, request_timeout_s=work.load.timeout_s) as client:
+        warm = await warm_up(client, work.warmup, len(work.warmup))
+        failed = [r for r in warm if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} warm-up requests failed: {failed[0].error}")
+        await asyncio.sleep(1.0)  # residency reports reach the routers
+        before = await snapshot(handle, metrics_url, app_name)
+        result = await run_benchmark(
+            client, work.measured, [work.load], warmup=0, progress=sys.stderr.isatty()
+        )
+        report = result.runs[0]
+        after = await snapshot(handle, metrics_url, app_name)
+    return figures(report, before, after)
+
+
+def figures(report: RunReport, before: FleetSnapshot, after: FleetSnapshot) -> dict[str, Any]:
+    s = report.summary
+    completed = s["completed"]
+    grown = {
+        key: after.total(key) - before.total(key)
+        for key in ("adapter_hits", "adapter_misses", "adapter_gpu_loads",
+                    "adapter_disk_reads", "adapter_prefetch_loads")
+    }  # fmt: skip
+    admissions = grown["adapter_hits"] + grown["adapter_misses"]
+    replica_ids = sorted(set(after.finished) | set(before.finished))
+    per_replica = [after.finished.get(r, 0.0) - before.finished.get(r, 0.0) for r in replica_ids]
+    per_replica += [0.0] * (len(after.engines) - len(per_replica))  # replicas that served none
+    served = sum(per_replica)
+    per_1k = (lambda n: 1000.0 * n / completed) if completed else (lambda n: None)
+    return {
+        "sent": s["num_requests"],
+        "completed": completed,
+        "failed": s["failed"],
+        "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "itl_p50_ms": s["itl_ms"]["p50"],
+        "itl_p99_ms": s["itl_ms"]["p99"],
+        "e2e_p50_s": None if s["e2e_ms"]["p50"] is None else s["e2e_ms"]["p50"] / 1000.0,
+        "throughput_tok_s": s["output_token_throughput"],
+        "request_throughput": s["request_throughput"],
+        "adapter_wait_mean_ms": (
+            1000.0 * (after.wait_sum_s - before.wait_sum_s) / served if served else None
+        ),
+        "hit_rate": grown["adapter_hits"] / admissions if admissions else None,
+        "loads_per_1k": per_1k(grown["adapter_gpu_loads"]),
+        "disk_reads_per_1k": per_1k(grown["adapter_disk_reads"]),
+        "prefetch_loads": grown["adapter_prefetch_loads"],
+        "admissions": admissions,
+        "requests_per_replica": per_replica,
+        "imbalance": max(per_replica) / (served / len(per_replica)) if served else None,
+        **placement((report.adapter_stats or {}).get("after")),
+        "duration_s": s["duration_s"],
+        "errors": s["errors"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+COLUMNS = [
+    "popularity", "router", "completed", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+    "itl_p99_ms", "e2e_p50_s", "throughput_tok_s", "adapter_wait_mean_ms", "hit_rate",
+    "loads_per_1k", "imbalance", "memory_copies", "ttft_p50_vs_pow2", "ttft_p99_vs_pow2",
+    "throughput_vs_pow2", "loads_vs_pow2",
+]  # fmt: skip
+RATIOS = {
+    "ttft_p50_vs_pow2": "ttft_p50_ms",
+    "ttft_p99_vs_pow2": "ttft_p99_ms",
+    "itl_p99_vs_pow2": "itl_p99_ms",
+    "e2e_p50_vs_pow2": "e2e_p50_s",
+    "throughput_vs_pow2": "throughput_tok_s",
+    "loads_vs_pow2": "loads_per_1k",
+    "hit_rate_vs_pow2": "hit_rate",
+}
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row with its figures divided by pow2's at the same popularity (None where pow2 has
+    not run yet or its figure is 0)."""
+    baseline = {r["popularity"]: r for r in rows if r["router"] == BASELINE}
+    out = []
+    for row in rows:
+        base = baseline.get(row["popularity"])
+        ratios = {}
+        for name, key in RATIOS.items():
+            a, b = row.get(key), base.get(key) if base else None
+            ratios[name] = a / b if a is not None and b else None
+        out.append({**row, **ratios})
+    return out
+
+
+def save(args: argparse.Namespace, rows: list[dict], meta: dict[str, Any]) -> Path:
+    order = {kind: i for i, kind in enumerate(args.popularity.split(","))}
+    routers = {setup.name: i for i, setup in enumerate(ROUTERS)}
+    return write_results(
+        args.out,
+        f"router_serve_{args.name}",
+        f"Routers on a Serve deployment: {args.replicas} replicas, {args.num_adapters} "
+        f"rank-{args.rank} adapters over {args.slots} slots each, Poisson {args.rate:g} req/s",
+        f"each router against {BASELINE} (Ray Serve's default) at the same popularity, same run",
+        COLUMNS,
+        sorted(with_ratios(rows), key=lambda r: (order[r["popularity"]], routers[r["router"]])),
+        meta,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+# Options whose default depends on --smoke: the full run's, then the smoke run's.
+FULL = dict(
+    replicas=2, num_adapters=64, rank=16, slots=8, rate=6.0, num_requests=300,
+    popularity="skewed,uniform", input_len="128:512", output_len="32:96", max_model_len=2048,
+    device="auto",
+)  # fmt: skip
+SMOKE = dict(
+    replicas=2, num_adapters=8, rank=4, slots=2, rate=8.0, num_requests=24,
+    popularity="skewed", input_len="8:32", output_len="4:8", max_model_len=128, device="cpu",
+)  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Defaults: "
+        + ", ".join(f"{k}={v}" for k, v in FULL.items())
+        + "; with --smoke: "
+        + ", ".join(f"{k}={v}" for k, v in SMOKE.items()),
+    )
+    ap.add_argument("--replicas", type=int, help="engine replicas (one GPU each on cuda)")
+    ap.add_argument("--num-adapters", type=int)
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--slots", type=int, help="GPU adapter slots per replica")
+    ap.add_argument(
+        "--host-cache",
+        type=int,
+        default=None,
+        help="adapters in host memory per replica (default: all of them)",
+    )
+    ap.add_argument("--rate", type=float, help="Poisson arrivals, requests/s")
+    ap.add_argument("--num-requests", type=int)
+    ap.add_argument("--input-len", help="prompt tokens, N or LOW:HIGH")
+    ap.add_argument("--output-len", help="output tokens, N or LOW:HIGH")
+    ap.add_argument("--popularity", help="comma-separated: distinct, uniform, skewed, zipf")
+    ap.add_argument(
+        "--routers",
+        default=",".join(r.name for r in ROUTERS),
+        help="comma-separated subset of " + ", ".join(r.name for r in ROUTERS),
+    )
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1")
+    ap.add_argument(
+        "--run-timeout", type=float, default=600.0, help="seconds one measured run may last"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default=None, help="results file: router_serve_<name>.{md,json}")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument(
+        "--work-dir",
+        default=None,
+        help="where the model and adapters are written (default: a temporary folder)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny model, 2 replicas, few adapters and requests: checks the code",
+    )
+    args = ap.parse_args(argv)
+    for key, value in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.input_len = LengthRange.parse(args.input_len)
+    args.output_len = LengthRange.parse(args.output_len)
+    args.host_cache = args.host_cache or args.num_adapters
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.name is None:
+        args.name = (
+            "smoke"
+            if args.smoke
+            else (f"{args.replicas}x_{args.num_adapters}a_r{args.rank}_s{args.slots}")
+        )
+    known = {r.name: r for r in ROUTERS}
+    unknown = [n for n in args.routers.split(",") if n not in known]
+    if unknown:
+        ap.error(f"unknown routers {unknown}; choose from {sorted(known)}")
+    args.setups = [known[n] for n in args.routers.split(",")]
+    if args.device == "cuda" and args.replicas > torch.cuda.device_count():
+        ap.error(f"{args.replicas} replicas need as many GPUs; {torch.cuda.device_count()} visible")
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    import ray
+    from ray import serve
+
+    args = parse_args(argv)
+    started = time.monotonic()
+    # The results name the device through torch, which opens a CUDA context in this process:
+    # open it before any replica sizes its KV cache, so that every deployment sees the same.
+    device_name()
+    meta: dict[str, Any] = {}
+    model_config = TINY if args.smoke else LLAMA3_8B
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="router-serve-"))
+    model_dir = write_model(root, model_config)
+    names = adapter_names(args.num_adapters)
+    fleet = write_fleet(root, ModelSpec.from_dir(model_dir), names, args.rank)
+    print(f"model and {len(fleet)} adapters written to {root}", flush=True)
+
+    metrics_port = free_port()
+    num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, args.replicas + 2),
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
+    )
+    url = f"http://127.0.0.1:{args.port}"
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    meta.update(
+        replicas=args.replicas,
+        engine_device=args.device,
+        model=("tiny " if args.smoke else "Llama-3-8B-shaped ") + "(load_format dummy)",
+        args={k: str(v) for k, v in vars(args).items() if k != "setups"},
+    )
+    works = {kind: workloads(args, names, kind) for kind in args.popularity.split(",")}
+    meta["digests"] = {kind: workload_digest(w.measured) for kind, w in works.items()}
+    rows: list[dict] = []
+    path = None
+    try:
+        for setup in args.setups:
+            for row in run_setup(
+                args, setup, works, app_args(args, setup, model_dir, fleet), url, metrics_url
+            ):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                meta["elapsed_s"] = time.monotonic() - started
+                path = save(args, rows, meta)  # after every run: a cut-off run keeps its rows
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(f"done in {time.monotonic() - started:.0f} s: {path}", flush=True)
+    return path
+
+
+def run_setup(
+    args: argparse.Namespace,
+    setup: RouterSetup,
+    works: Mapping[str, Workloads],
+    application_args: Mapping[str, Any],
+    url: str,
+    metrics_url: str,
+) -> Iterator[dict[str, Any]]:
+    """Deploy the app under `setup`, run each popularity's workload on it (each after its own
+    warm-up), yield a row per run, and shut Serve down."""
+    from ray import serve
+
+    app_name = f"router-{setup.name.replace('+', '-')}"
+    t0 = time.monotonic()
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    try:
+        serve.run(build_application(application_args, setup), name=app_name, route_prefix="/")
+        wait_healthy(url)
+        deploy_s = time.monotonic() - t0
+        for popularity, work in works.items():
+            started = time.monotonic()
+            row = asyncio.run(measure(url, metrics_url, app_name, work))
+            yield {
+                "popularity": popularity,
+                "router": setup.name,
+                **row,
+                "deploy_s": deploy_s,
+                "run_s": time.monotonic() - started,
+            }
+    finally:
+        serve.shutdown()
+
+
+if __name__ == "__main__":
+    main()
