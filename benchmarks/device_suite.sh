@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks in stages, for one call on a GPU machine:
+#
+#   bash benchmarks/device_suite.sh tests decode sgmv-quick     # a few minutes
+#   bash benchmarks/device_suite.sh churn16 churn256 seeds       # the churn matrix
+#   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
+#
+# Every stage has its own time limit and writes its log and result files under $OUT (default
+# benchmarks/results), so one stage failing or running long leaves the others' results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+
+stage() {  # stage NAME LIMIT_S COMMAND...
+    local name="$1" limit="$2"
+    shift 2
+    echo "== $name (limit ${limit}s): $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc in $((SECONDS - start))s"
+    tail -n 15 "$OUT/$name.log"
+}
+
+churn() {  # churn NAME LIMIT_S ARGS...
+    local name="$1" limit="$2"
+    shift 2
+    stage "$name" "$limit" python -m benchmarks.bench_churn --out "$OUT" "$@"
+}
+
+for s in "$@"; do
+    case "$s" in
+        tests) stage tests 240 python -m pytest -q -x tests/gpu tests/kernels ;;
+        decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
+        sgmv-quick) stage sgmv-quick 150 python -m benchmarks.bench_sgmv --quick --out "$OUT" ;;
+        sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
+        sgmv-sweep) stage sgmv-sweep 240 python -m benchmarks.bench_sgmv --sweep ;;
+        churn16)
+            churn churn16 300 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 40 \
+                --popularity distinct,uniform,skewed --resident ;;
+        churn256)
+            churn churn256 300 --num-adapters 32 --rank 256 --slots 8 --rate 6 --num-requests 40 \
+                --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
+                --popularity distinct,uniform --resident ;;
+        churn128)
+            churn churn128 240 --num-adapters 128 --rank 16 --slots 8 --rate 4 --num-requests 40 \
+                --popularity uniform,skewed ;;
+        seeds)
+            churn seeds 200 --num-adapters 1 --rank 16 --slots 1 --rate 8 --num-requests 480 \
+                --input-len 200:1000 --output-len 100:400 --popularity distinct --modes prefetch \
+                --max-num-seqs 128 --name seeds_shape \
+                --published "SGLang:ttft_p50_ms=62.65,itl_p50_ms=22.68" ;;
+        router)
+            stage router 560 python -m benchmarks.bench_router_serve --replicas 2 \
+                --num-adapters 64 --rank 16 --slots 8 --rate 6 --num-requests 300 \
+                --popularity skewed,uniform --out "$OUT" ;;
+        *) echo "unknown stage $s"; exit 2 ;;
+    esac
+done
