@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import AttentionBatch
+from kernels.launch import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window wider than any context: nothing is masked
@@ -58,16 +59,6 @@ class PrefillTiling:
 
 DECODE_TILING = DecodeTiling()
 PREFILL_TILING = PrefillTiling()
-
-
-def _cdiv(a: int, b: int) -> int:
-    """Host-side ceil(a / b). (`triton.cdiv` is a JIT function: called from Python it goes
-    through the JIT's dispatch, several microseconds per call on every launch.)"""
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 @triton.jit
@@ -319,7 +310,7 @@ def decode_batch_pieces(
 ) -> int:
     """Pieces to cut the batch's keys into, per KV head: programs_per_sm on every SM."""
     sms = _num_sms(device.index) if device.type == "cuda" else 1
-    return _cdiv(tiling.programs_per_sm * sms, num_kv_heads)
+    return cdiv(tiling.programs_per_sm * sms, num_kv_heads)
 
 
 def decode_max_extra(
@@ -328,7 +319,7 @@ def decode_max_extra(
 ) -> int:
     """Static bound on the work items past the B first (the further splits of all sequences):
     fewer than batch_pieces, and fewer than max_context / min_split_tokens per sequence."""
-    per_seq = _cdiv(max_context, tiling.min_split_tokens) - 1
+    per_seq = cdiv(max_context, tiling.min_split_tokens) - 1
     return min(decode_batch_pieces(num_kv_heads, device, tiling), batch_size * per_seq)
 
 
@@ -354,7 +345,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _group_pad(group: int, at_least: int) -> int:
-    return max(at_least, _next_pow2(group))
+    return max(at_least, next_pow2(group))
 
 
 def paged_decode_attention(
@@ -391,7 +382,7 @@ def paged_decode_attention(
     pieces = decode_batch_pieces(num_kv_heads, q.device, tiling)
     max_extra = decode_max_extra(B, num_kv_heads, block_table.shape[1] * block_size, q.device,
                                  tiling)
-    plan = dict(SEQS_PAD=_next_pow2(B), BLOCK_N=tiling.block_n,
+    plan = dict(SEQS_PAD=next_pow2(B), BLOCK_N=tiling.block_n,
                 MIN_SPLIT=tiling.min_split_tokens)
     if max_extra:
         part_acc = q.new_empty(B + max_extra, num_q_heads, head_dim, dtype=torch.float32)
@@ -446,7 +437,7 @@ def paged_prefill_attention(
     group = num_q_heads // num_kv_heads
     group_pad = _group_pad(group, 1)
     block_q = max(1, tiling.block_m // group_pad)
-    block_q = max(block_q, _cdiv(16, group_pad))  # tl.dot needs >= 16 rows
+    block_q = max(block_q, cdiv(16, group_pad))  # tl.dot needs >= 16 rows
     window = NO_WINDOW if batch.sliding_window is None else batch.sliding_window
     out = torch.empty_like(q)
     _prefill_kernel[(T // block_q + B, num_kv_heads)](

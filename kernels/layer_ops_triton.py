@@ -13,14 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import next_pow2
 from kernels.layer_ops import BACKENDS, LayerOps
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SILU_BLOCK = 1024  # output columns per program of silu_and_mul
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 @triton.jit
@@ -128,7 +125,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if n:
         _rms_norm_kernel[(n,)](
             x, x, weight, out, out, d, x.stride(0), 0, out.stride(0), 0, eps,
-            HAS_DELTA=False, BLOCK_D=_next_pow2(d),
+            HAS_DELTA=False, BLOCK_D=next_pow2(d),
         )
     return out
 
@@ -146,7 +143,7 @@ def triton_add_rms_norm(
         _rms_norm_kernel[(n,)](
             x, delta, weight, out, total, d,
             x.stride(0), delta.stride(0), out.stride(0), total.stride(0), eps,
-            HAS_DELTA=True, BLOCK_D=_next_pow2(d),
+            HAS_DELTA=True, BLOCK_D=next_pow2(d),
         )
     return out, total
 
@@ -157,7 +154,7 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     assert width % 2 == 0, f"gate_up width {width} is odd"
     inter = width // 2
     out = gate_up.new_empty(n, inter)
-    block = min(SILU_BLOCK, _next_pow2(inter))
+    block = min(SILU_BLOCK, next_pow2(inter))
     if n:
         _silu_and_mul_kernel[(n, -(-inter // block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block
@@ -184,7 +181,7 @@ def triton_rotary(
         _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
             q, k, positions, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            HQ=num_q_heads, HALF=head_dim // 2, BLOCK=_next_pow2(head_dim // 2),
+            HQ=num_q_heads, HALF=head_dim // 2, BLOCK=next_pow2(head_dim // 2),
         )
     return q, k
 

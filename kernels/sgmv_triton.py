@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
 from kernels.sgmv_tuning import EXPAND_TABLE, FUSED_TABLE, SHRINK_TABLE, FusedTiling, pick
 
@@ -52,16 +53,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETER_SMS = 1  # CPU (Triton's interpreter): few programs, each striding over many items
 _LOCK_MIN = 1 << 16  # int32 arrival counters allocated at first use, per device
 MAX_FUSED_SPLITS = 32  # the expand sums the splits' partials in unrolled code
-
-
-def _cdiv(a: int, b: int) -> int:
-    """Host-side ceil(a / b). (`triton.cdiv` is a JIT function: called from Python it goes
-    through the JIT's dispatch, several microseconds per call on every launch.)"""
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 @triton.jit
@@ -489,20 +480,20 @@ def triton_apply(
 
     block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
-    k_per_split = max(min(t.k_per_split, hidden), _cdiv(hidden, MAX_FUSED_SPLITS))
-    k_per_split = _cdiv(k_per_split, block_k) * block_k
-    split_k = _cdiv(hidden, k_per_split)
-    num_cb = _cdiv(num_cols, block_n)
+    k_per_split = max(min(t.k_per_split, hidden), cdiv(hidden, MAX_FUSED_SPLITS))
+    k_per_split = cdiv(k_per_split, block_k) * block_k
+    split_k = cdiv(hidden, k_per_split)
+    num_cb = cdiv(num_cols, block_n)
     widths = [hi - lo for lo, hi in zip(out_offsets, out_offsets[1:], strict=False)]
     block_o = min(t.block_o, _pow2_at_least_16(max(widths)))
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
     offsets = list(out_offsets[1:]) + [width] * (MAX_SLICES - num_slices)
     first_blocks = [0]
     for w in widths:
-        first_blocks.append(first_blocks[-1] + _cdiv(w, block_o))
+        first_blocks.append(first_blocks[-1] + cdiv(w, block_o))
     num_nb = first_blocks[-1]
     first_blocks += [num_nb] * (MAX_SLICES + 1 - len(first_blocks))
-    bound_tiles = _cdiv(num_tokens, t.block_m) + num_segments
+    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     part = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
     locks = _locks(x.device, bound_tiles)
     num_slots = batch.slot_ranks.shape[0]
@@ -534,7 +525,7 @@ def triton_apply(
         EVEN_K=hidden % block_k == 0,
         BLOCK_O=block_o,
         BLOCK_R=block_r,
-        NUM_RB=_cdiv(max_rank, block_r),
+        NUM_RB=cdiv(max_rank, block_r),
         PRECISION=_precision(x.dtype),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
@@ -598,10 +589,10 @@ def triton_shrink(
     t = pick(SHRINK_TABLE, num_tokens)
     block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
-    k_per_split = _cdiv(min(t.k_per_split, hidden), block_k) * block_k
-    split_k = _cdiv(hidden, k_per_split)
-    num_cb = _cdiv(num_cols, block_n)
-    bound_tiles = _cdiv(num_tokens, t.block_m) + num_segments
+    k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
+    split_k = cdiv(hidden, k_per_split)
+    num_cb = cdiv(num_cols, block_n)
+    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     if split_k > 1:
         part = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
         locks = _locks(x.device, bound_tiles * num_cb)
@@ -660,10 +651,10 @@ def triton_expand(
     offsets = list(out_offsets[1:]) + [width] * (MAX_SLICES - num_slices)
     first_blocks = [0]
     for w in widths:
-        first_blocks.append(first_blocks[-1] + _cdiv(w, block_n))
+        first_blocks.append(first_blocks[-1] + cdiv(w, block_n))
     num_nb = first_blocks[-1]
     first_blocks += [num_nb] * (MAX_SLICES + 1 - len(first_blocks))
-    bound_tiles = _cdiv(num_tokens, t.block_m) + num_segments
+    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     grid = (min(bound_tiles * num_nb, _num_sms(y.device) * t.programs_per_sm),)
     num_slots = batch.slot_ranks.shape[0]
     _sgmv_expand_kernel[grid](
@@ -685,7 +676,7 @@ def triton_expand(
         BLOCK_M=t.block_m,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
-        NUM_RB=_cdiv(max_rank, block_r),
+        NUM_RB=cdiv(max_rank, block_r),
         PRECISION=_precision(y.dtype),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
@@ -703,11 +694,11 @@ def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> Non
 
 
 def _pow2_at_least_16(n: int) -> int:
-    return max(16, _next_pow2(n))
+    return max(16, next_pow2(n))
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, _next_pow2(n))
+    return max(floor, next_pow2(n))
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -6,6 +6,7 @@ tokens form one SGMV segment), then base-model sequences.
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
@@ -39,43 +40,18 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     return DTYPES[config.dtype]
 
 
-def resolve_attention_backend(config: EngineConfig) -> str:
-    if config.attention_backend != "auto":
-        return config.attention_backend
-    if config.device == "cpu":
+def resolve_backend(setting: str, device: str, triton_module: str) -> str:
+    """A kernel backend for an EngineConfig `*_backend` field: the setting itself unless
+    "auto"; for "auto", torch on CPU and Triton on CUDA when `triton_module` imports."""
+    if setting != "auto":
+        return setting
+    if device == "cpu":
         return "torch"
     try:
-        import kernels.attention_triton  # noqa: F401
-
-        return "triton"
+        importlib.import_module(triton_module)
     except ImportError:
         return "torch"
-
-
-def resolve_layer_ops_backend(config: EngineConfig) -> str:
-    if config.layer_ops_backend != "auto":
-        return config.layer_ops_backend
-    if config.device == "cpu":
-        return "torch"
-    try:
-        import kernels.layer_ops_triton  # noqa: F401
-
-        return "triton"
-    except ImportError:
-        return "torch"
-
-
-def resolve_sgmv_backend(config: EngineConfig) -> str:
-    if config.sgmv_backend != "auto":
-        return config.sgmv_backend
-    if config.device == "cpu":
-        return "torch"
-    try:
-        import kernels.sgmv_triton  # noqa: F401
-
-        return "triton"
-    except ImportError:
-        return "torch"
+    return "triton"
 
 
 class ModelRunner:
@@ -84,7 +60,9 @@ class ModelRunner:
         self.spec = spec
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config)
-        ops = get_layer_ops(resolve_layer_ops_backend(config))
+        ops = get_layer_ops(
+            resolve_backend(config.layer_ops_backend, config.device, "kernels.layer_ops_triton")
+        )
         if config.load_format == "dummy":
             self.model = random_model(
                 spec, self.dtype, self.device, max_model_len, config.seed, ops
@@ -99,7 +77,7 @@ class ModelRunner:
             config.max_lora_rank,
             self.dtype,
             self.device,
-            backend=resolve_sgmv_backend(config),
+            backend=resolve_backend(config.sgmv_backend, config.device, "kernels.sgmv_triton"),
         )
         self.num_kv_blocks = self._num_kv_blocks(max_model_len)
         # One block past those the allocator hands out takes the keys and values of padding
@@ -115,7 +93,9 @@ class ModelRunner:
         ]
         self.sampler = Sampler(self.device, config.seed)
         self.staging = HostStaging(self.device)
-        self.attention_backend = resolve_attention_backend(config)
+        self.attention_backend = resolve_backend(
+            config.attention_backend, config.device, "kernels.attention_triton"
+        )
         self.attention = get_attention_backend(self.attention_backend)
         self.graphs: DecodeGraphs | None = None
         if (
