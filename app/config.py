@@ -93,6 +93,14 @@ class AppArgs(BaseModel):
         ge=1,
         description="Adapters in host memory per engine replica (at least max_loras_per_batch).",
     )
+    max_loaded_lora_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Also bound the host-memory adapter cache by size, in GiB of weights (adapters of "
+            "different ranks differ a hundredfold in size). null: max_loaded_loras alone."
+        ),
+    )
     max_lora_rank: int = Field(
         default=16, ge=1, description="The largest adapter rank served; higher ranks are refused."
     )
@@ -257,6 +265,9 @@ class AppArgs(BaseModel):
             max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_lora_rank,
             max_loaded_loras=self.max_loaded_loras,
+            max_loaded_lora_bytes=(
+                None if self.max_loaded_lora_gib is None else int(self.max_loaded_lora_gib * 2**30)
+            ),
             adapters=tuple(sorted(self.adapters.items())),
             adapter_root=self.adapter_root,
             adapter_loading=self.loading_mode,

@@ -26,6 +26,7 @@ class EngineConfig:
     max_loras_per_batch: int = 8  # GPU adapter slots
     max_lora_rank: int = 16
     max_loaded_loras: int = 64  # adapters kept in host memory
+    max_loaded_lora_bytes: int | None = None  # and at most this many bytes of them
     adapter_loading: str = "prefetch"  # "blocking", "overlap", "prefetch": adapters/manager.py
     eviction_policy: str = "lru"  # GPU slots: "lru" or "lfu" (adapters/slot_pool.py)
     pinned_adapters: tuple[str, ...] = ()  # never evicted from GPU slots or host memory
@@ -60,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.adapter_loading not in ("blocking", "overlap", "prefetch"):
             raise ValueError(f"unknown adapter_loading {self.adapter_loading!r}")
+        if self.max_loaded_lora_bytes is not None and self.max_loaded_lora_bytes < 1:
+            raise ValueError("max_loaded_lora_bytes must be positive")
         if self.eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -48,6 +48,7 @@ class Engine:
             self.runner.dtype,
             mode=config.adapter_loading,
             eviction_policy=config.eviction_policy,
+            max_loaded_bytes=config.max_loaded_lora_bytes,
             pinned=config.pinned_adapters,
         )
         self.blocks = BlockAllocator(self.runner.num_kv_blocks, config.block_size)

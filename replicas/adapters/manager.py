@@ -60,6 +60,7 @@ class AdapterManager:
         adapters: dict[str, str], adapter_root: str | None, max_loaded_loras: int,
         dtype: torch.dtype, mode: str = "prefetch", pinned: tuple[str, ...] = (),
         read_workers: int = 4, eviction_policy: str = "lru",
+        max_loaded_bytes: int | None = None,
     ) -> None:
         if mode not in LOADING_MODES:
             raise ValueError(f"adapter loading mode must be one of {LOADING_MODES}, got {mode!r}")
@@ -74,7 +75,9 @@ class AdapterManager:
         self.retired: dict[str, Path] = {}  # unloaded, still used by queued or running requests
         self.unloaded: set[str] = set()  # names new requests may not use
         self.slots = SlotPool(weights.num_slots, eviction_policy)
-        self.host: HostCache[AdapterWeights] = HostCache(max_loaded_loras)
+        self.host: HostCache[AdapterWeights] = HostCache(
+            max_loaded_loras, max_loaded_bytes, size=lambda w: w.nbytes
+        )
         self.queue = PrefetchQueue(capacity=max(64, 4 * max_loaded_loras))
         self.stats = AdapterStats()
         self.on_cuda = weights.device.type == "cuda"

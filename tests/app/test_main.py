@@ -163,3 +163,13 @@ def test_load_format_reaches_the_engine(tmp_path):
     assert AppArgs().to_engine_config(tmp_path, "cpu").load_format == "safetensors"
     with pytest.raises(ValueError):
         AppArgs(load_format="pickle")
+
+
+def test_host_cache_byte_budget_reaches_the_engine(tmp_path):
+    from app.config import AppArgs
+
+    assert AppArgs().to_engine_config(tmp_path, "cpu").max_loaded_lora_bytes is None
+    config = AppArgs(max_loaded_lora_gib=1.5).to_engine_config(tmp_path, "cpu")
+    assert config.max_loaded_lora_bytes == 3 * 2**29
+    with pytest.raises(ValueError):
+        AppArgs(max_loaded_lora_gib=0)

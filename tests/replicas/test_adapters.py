@@ -140,6 +140,24 @@ def test_host_cache_evicts_lru_but_not_pinned():
     assert "p" in cache and "b" in cache and len(cache) == 2
 
 
+def test_host_cache_byte_budget():
+    cache: HostCache[int] = HostCache(10, max_bytes=100, size=lambda v: v)
+    cache.put("pinned", 30, pinned=True)
+    cache.put("a", 30)
+    cache.put("b", 30)
+    assert cache.nbytes == 90
+    assert cache.put("c", 30) == ["a"]  # the least recent unpinned entry goes
+    assert cache.nbytes == 90
+    assert cache.put("huge", 500) == ["b", "c"]  # kept alone over budget: a request needs it
+    assert set(cache) == {"pinned", "huge"} and cache.nbytes == 530
+    cache.put("huge", 20)  # replacing an entry counts its new size only
+    assert cache.nbytes == 50
+    cache.remove("huge")
+    assert cache.nbytes == 30
+    with pytest.raises(ValueError):
+        HostCache(2, max_bytes=10)  # a byte budget without a size function
+
+
 @pytest.mark.parametrize(
     ("targets", "expected"),
     [
