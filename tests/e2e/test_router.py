@@ -1,8 +1,8 @@
 """The adapter-affinity router against Ray Serve's default, on a local Serve instance (CPU,
-three engine replicas of two GPU slots each, nine adapters): the same skewed workload through
-HTTP under `router: pow2` and `router: affinity`. Both must answer exactly what
-transformers + PEFT answer; affinity must find adapters already in a GPU slot more often (move
-fewer adapters into slots) and read fewer from disk."""
+two ingress replicas each routing on its own, three engine replicas of two GPU slots each, nine
+adapters): the same skewed workload through HTTP under `router: pow2` and `router: affinity`.
+Both must answer exactly what transformers + PEFT answer; affinity must find adapters already in
+a GPU slot more often (move fewer adapters into slots) and read fewer from disk."""
 
 from __future__ import annotations
 
@@ -91,6 +91,9 @@ def _deploy(cluster, router: str) -> None:
             "adapters": {name: str(path) for name, path in cluster["adapters"].items()},
             "device": "cpu",
             "num_replicas": 3,
+            # Two ingress replicas, each with its own router instance: they must agree on where
+            # an adapter lives (rendezvous hashing, shared residency) rather than thrash.
+            "num_ingress_replicas": 2,
             "max_loras_per_batch": 2,
             "max_loaded_loras": 4,
             "max_lora_rank": 8,
