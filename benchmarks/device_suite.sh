@@ -2,8 +2,11 @@
 # GPU checks and benchmarks in stages, for one call on a GPU machine:
 #
 #   bash benchmarks/device_suite.sh tests decode sgmv-quick     # a few minutes
-#   bash benchmarks/device_suite.sh churn16 churn256 seeds       # the churn matrix
+#   bash benchmarks/device_suite.sh churn16 churn-large seeds    # the churn matrix
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
+#
+# Where Ray is not installed, put it on the path first (e.g. a prepared site-packages bundle);
+# every stage but `router` needs only torch, triton, transformers, peft and safetensors.
 #
 # Every stage has its own time limit and writes its log and result files under $OUT (default
 # benchmarks/results), so one stage failing or running long leaves the others' results.
@@ -39,9 +42,9 @@ for s in "$@"; do
         churn16)
             churn churn16 300 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 40 \
                 --popularity distinct,uniform,skewed --resident ;;
-        churn256)
-            churn churn256 300 --num-adapters 32 --rank 256 --slots 8 --rate 6 --num-requests 40 \
-                --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
+        churn-large)  # 0.67 GB adapters: copies of ~13 ms, where loading dominates
+            churn churn-large 360 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
+                --num-requests 40 --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
                 --popularity distinct,uniform --resident ;;
         churn128)
             churn churn128 240 --num-adapters 128 --rank 16 --slots 8 --rate 4 --num-requests 40 \
