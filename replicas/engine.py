@@ -18,6 +18,7 @@ from replicas.request import Request, RequestOutput, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+STEP_TIME_EMA = 0.2  # weight of the newest step in the step-time average
 
 
 class RequestRejected(ValueError):
@@ -146,7 +147,12 @@ class Engine:
         )
         sampling = [s for s in sched.seqs if s.samples]
         slots = {s.request.slot for s in sched.seqs if s.request.slot is not None}
+        started = time.monotonic()
         tokens = self.runner.execute(sched.seqs, self.adapters.layer_waits(slots))
+        # The readback waited for the step's device work: this is the step's time. A moving
+        # average tells the adapter manager how long a copy can hide behind one step.
+        elapsed = time.monotonic() - started
+        self.adapters.step_time_s += STEP_TIME_EMA * (elapsed - self.adapters.step_time_s)
         for seq in sched.seqs:
             seq.request.num_computed_tokens += seq.num_new_tokens
         for seq, token in zip(sampling, tokens, strict=True):

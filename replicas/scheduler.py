@@ -21,10 +21,11 @@ a joint prefill costs one step that is longer by the copies still in flight, whi
 prefetcher usually finished before admission.
 
 One exception keeps long copies from stalling everyone: while other requests run, a request
-whose adapter has a long copy in flight (a large rank: tens of milliseconds over PCIe) waits
-until most of it has landed (`AdapterGate.copy_settled`), so the running requests' steps are
-not stretched to the copy's length. Short copies, and any copy when nothing else runs, are
-admitted at once and overlap the prefill layer by layer.
+whose adapter has a copy in flight longer than a step takes (a large rank: tens of milliseconds
+over PCIe) waits until most of it has landed (`AdapterGate.copy_settled`), so the running
+requests' steps are not stretched to the copy's length. Copies a step can hide (they arrive
+layer by layer while earlier layers compute), and any copy when nothing else runs, are admitted
+at once.
 """
 
 from __future__ import annotations

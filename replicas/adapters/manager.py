@@ -37,8 +37,9 @@ from replicas.scheduler import AdapterLoadError
 logger = logging.getLogger(__name__)
 
 LOADING_MODES = ("blocking", "overlap", "prefetch")
-# A copy expected to take at most this long never holds a request back (`copy_settled`):
-# stretching one step by it costs less than admitting the request a step later.
+# A copy expected to take at most this long (or a recent step's time, if longer) never holds a
+# request back (`copy_settled`): it arrives layer by layer while the step computes, or stretches
+# the step by less than admitting the request a step later would cost it.
 SHORT_COPY_S = 0.005
 COPY_BYTES_PER_S = 50e9  # pinned host -> GPU over PCIe 5 (about 55 GB/s measured on an H100)
 HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it was due is dropped
@@ -88,6 +89,7 @@ class AdapterManager:
         self._failed: dict[str, str] = {}
         self._pending: dict[int, list[torch.cuda.Event]] = {}  # slot -> per-layer load events
         self._pending_bytes: dict[int, int] = {}  # slot -> size of the copy in flight
+        self.step_time_s = 0.0  # recent model step time, kept by the engine
 
     # -- resolution ---------------------------------------------------------------------------
 
@@ -180,14 +182,15 @@ class AdapterManager:
         return False
 
     def copy_settled(self, adapter: str) -> bool:
-        """No copy of the adapter in flight, or one expected to take at most SHORT_COPY_S, or
-        one whose middle layer has landed (the rest then arrives while the step computes its
-        first layers). Queries an event; never waits on one."""
+        """No copy of the adapter in flight, or one short enough to arrive layer by layer while
+        a step computes (expected to take at most a recent step's time, `step_time_s`, or
+        SHORT_COPY_S), or one whose middle layer has landed. Queries an event; never waits."""
         slot = self.slots.slot_of(adapter)
         events = self._pending.get(slot) if slot is not None else None
         if not events:
             return True
-        if self._pending_bytes.get(slot, 0) <= SHORT_COPY_S * COPY_BYTES_PER_S:
+        hidden_s = max(SHORT_COPY_S, self.step_time_s)
+        if self._pending_bytes.get(slot, 0) <= hidden_s * COPY_BYTES_PER_S:
             return True
         return events[len(events) // 2].query()
 

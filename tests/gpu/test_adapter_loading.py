@@ -46,7 +46,8 @@ def test_requests_admitted_during_copies_match_peft(tmp_path, monkeypatch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(manager_module, "SHORT_COPY_S", 0.0)  # every copy counts as long
+    # Every copy counts as longer than a step: requests wait for their adapters' middle layers.
+    monkeypatch.setattr(manager_module, "COPY_BYTES_PER_S", 1.0)
     model_dir = make_model(tmp_path / "m", hidden_size=256, intermediate_size=512, num_heads=8,
                            num_kv_heads=2)
     adapters = {
