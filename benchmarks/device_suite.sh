@@ -46,9 +46,9 @@ for s in "$@"; do
             churn churn-large 360 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
                 --num-requests 40 --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
                 --popularity distinct,uniform --resident ;;
-        churn128)
-            churn churn128 240 --num-adapters 128 --rank 16 --slots 8 --rate 4 --num-requests 40 \
-                --popularity uniform,skewed ;;
+        churn128)  # a host cache of 32: disk reads join the churn
+            churn churn128 240 --num-adapters 128 --rank 16 --slots 8 --host-cache 32 --rate 4 \
+                --num-requests 40 --popularity uniform,skewed ;;
         seeds)
             churn seeds 200 --num-adapters 1 --rank 16 --slots 1 --rate 8 --num-requests 480 \
                 --input-len 200:1000 --output-len 100:400 --popularity distinct --modes prefetch \
