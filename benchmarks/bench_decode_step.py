@@ -16,11 +16,13 @@ import torch
 
 from benchmarks.common import hbm_bandwidth, time_cuda, write_results
 from kernels.attention import AttentionBatch, get_attention_backend
+from kernels.layer_ops import get_layer_ops
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.kv_cache import blocks_for
 from replicas.lora import LORA_GROUPS, LoraWeightPool
-from replicas.models.llama import LlamaModel, StepContext
+from replicas.models.llama import StepContext
 from replicas.models.spec import ModelSpec, RopeSpec
+from replicas.models.weights import random_model
 from replicas.staging import HostStaging
 
 LLAMA3_8B = ModelSpec(
@@ -36,17 +38,6 @@ LLAMA3_8B = ModelSpec(
     rope=RopeSpec(theta=500000.0),
     max_position_embeddings=8192,
 )
-
-
-def random_model(spec: ModelSpec, max_positions: int, layer_ops: str) -> LlamaModel:
-    from kernels.layer_ops import get_layer_ops
-
-    with torch.device("cuda"):
-        model = LlamaModel(spec, max_positions, torch.bfloat16, get_layer_ops(layer_ops))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    return model.eval()
 
 
 def fill_adapters(pool: LoraWeightPool, rank: int) -> None:
@@ -108,7 +99,9 @@ def main() -> None:
         sgmv_triton.FUSED_TABLE = ((None, None),)
     spec, B, ctx, bs = LLAMA3_8B, args.batch, args.context, 16
     torch.manual_seed(0)
-    model = random_model(spec, ctx + 16, args.layer_ops)
+    model = random_model(
+        spec, torch.bfloat16, torch.device("cuda"), ctx + 16, ops=get_layer_ops(args.layer_ops)
+    )
     pool = LoraWeightPool(spec, B, args.rank, torch.bfloat16, torch.device("cuda"), "triton")
     fill_adapters(pool, args.rank)
     per_seq = blocks_for(ctx + 1, bs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ray import serve
@@ -54,14 +54,18 @@ class EngineDeployment:
         except RuntimeError:
             loop = None  # built outside Serve: `report_stats()` is called by hand
         if loop is not None:
-            self._stats_task = loop.create_task(self._report_stats_forever(stats_period_s))
+            self._stats_task = loop.create_task(
+                _every(stats_period_s, self.report_stats, "reading engine stats for metrics")
+            )
         self._routing_stats: dict[str, Any] | None = None  # the last answer, for slow engines
         self._published: dict[str, list[str]] | None = None  # residency last pushed to Serve
         self._serve = _serve_context()
         self._routing_tasks: list[asyncio.Task] = []
         if loop is not None and self._serve is not None:
             self._routing_tasks = [
-                loop.create_task(self._publish_residency_forever(RESIDENCY_PERIOD_S)),
+                loop.create_task(
+                    _every(RESIDENCY_PERIOD_S, self.publish_residency, "publishing residency")
+                ),
                 loop.create_task(self._follow_hints()),
             ]
         logger.info("engine replica ready on %s with model %s", config.device, config.model)
@@ -87,15 +91,6 @@ class EngineDeployment:
         """Read `stats()` once into the metrics."""
         self.metrics.update(await self.stats())
 
-    async def _report_stats_forever(self, period_s: float) -> None:
-        while True:
-            try:
-                await self.report_stats()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("reading engine stats for metrics failed")
-            await asyncio.sleep(period_s)
 
     # -- adapters ------------------------------------------------------------------------------
 
@@ -179,15 +174,6 @@ class EngineDeployment:
         await asyncio.to_thread(_push_routing_info, self._serve.replica_id, model_ids, stats)
         self._published = residency
 
-    async def _publish_residency_forever(self, period_s: float) -> None:
-        while True:
-            try:
-                await self.publish_residency()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("publishing adapter residency failed")
-            await asyncio.sleep(period_s)
 
     async def _follow_hints(self) -> None:
         from router.hints import board_name, follow_hints, get_or_create_board
@@ -382,6 +368,18 @@ def _routing_stats(engine: Engine) -> dict[str, Any]:
 def _prefetch_hints(engine: Engine, hints: list[tuple[str, float]]) -> None:
     for adapter, eta_s in hints:
         engine.prefetch_hint(adapter, eta_s)
+
+
+async def _every(period_s: float, work: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run `work` every `period_s` until cancelled; a failure is logged and the loop goes on."""
+    while True:
+        try:
+            await work()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("%s failed", what)
+        await asyncio.sleep(period_s)
 
 
 def _engine_stats(engine: Engine) -> dict:

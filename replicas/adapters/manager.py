@@ -87,8 +87,8 @@ class AdapterManager:
         self._reads: dict[str, Future[AdapterWeights]] = {}
         self._read_started: dict[str, float] = {}
         self._failed: dict[str, str] = {}
-        self._pending: dict[int, list[torch.cuda.Event]] = {}  # slot -> per-layer load events
-        self._pending_bytes: dict[int, int] = {}  # slot -> size of the copy in flight
+        # slot -> the copy in flight into it: per-layer load events and its size in bytes
+        self._pending: dict[int, tuple[list[torch.cuda.Event], int]] = {}
         self.step_time_s = 0.0  # recent model step time, kept by the engine
 
     # -- resolution ---------------------------------------------------------------------------
@@ -186,11 +186,11 @@ class AdapterManager:
         a step computes (expected to take at most a recent step's time, `step_time_s`, or
         SHORT_COPY_S), or one whose middle layer has landed. Queries an event; never waits."""
         slot = self.slots.slot_of(adapter)
-        events = self._pending.get(slot) if slot is not None else None
-        if not events:
+        copy = self._pending.get(slot) if slot is not None else None
+        if copy is None:
             return True
-        hidden_s = max(SHORT_COPY_S, self.step_time_s)
-        if self._pending_bytes.get(slot, 0) <= hidden_s * COPY_BYTES_PER_S:
+        events, nbytes = copy
+        if nbytes <= max(SHORT_COPY_S, self.step_time_s) * COPY_BYTES_PER_S:
             return True
         return events[len(events) // 2].query()
 
@@ -255,9 +255,7 @@ class AdapterManager:
         """Per layer, the load events the forward pass must wait on before using these slots.
         Returned once: after this step's forward has waited on them, later work on the compute
         stream is ordered after the copies."""
-        pending = [self._pending.pop(s) for s in slots if s in self._pending]
-        for s in slots:
-            self._pending_bytes.pop(s, None)
+        pending = [self._pending.pop(s)[0] for s in slots if s in self._pending]
         if not pending:
             return None
         return [list(layer) for layer in zip(*pending, strict=True)]
@@ -267,7 +265,6 @@ class AdapterManager:
     def _upload(self, adapter: str, weights: AdapterWeights, assignment) -> None:
         slot = assignment.slot
         self._pending.pop(slot, None)
-        self._pending_bytes.pop(slot, None)
         if self._stream is not None:
             # The slot's previous adapter may still be read by work already enqueued on the
             # compute stream: the copies start after it.
@@ -275,8 +272,7 @@ class AdapterManager:
         stream = self._stream if self.mode != "blocking" else None
         events = self.weights.write(slot, weights, stream)
         if events:
-            self._pending[slot] = events
-            self._pending_bytes[slot] = weights.nbytes
+            self._pending[slot] = (events, weights.nbytes)
         self.stats.gpu_loads += 1
 
     def _read(self, adapter: str, path: Path) -> AdapterWeights:
@@ -329,8 +325,8 @@ class AdapterManager:
             slot = self.slots.slot_of(name)
             weights = self.host.peek(name)
             if slot is not None:
-                events = self._pending.get(slot)
-                tier = "loading" if events and not events[-1].query() else "gpu"
+                copy = self._pending.get(slot)
+                tier = "loading" if copy is not None and not copy[0][-1].query() else "gpu"
             elif name in self._reads:
                 tier = "loading"
             else:
