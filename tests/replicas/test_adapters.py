@@ -212,3 +212,18 @@ class TestEvictionPolicies:
     def test_unknown_policy_is_refused(self):
         with pytest.raises(ValueError, match="eviction policy"):
             SlotPool(2, "random")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("eviction_policy", "random", "unknown eviction_policy"),
+        ("max_loaded_lora_bytes", 0, "max_loaded_lora_bytes must be positive"),
+        ("adapter_loading", "eager", "unknown adapter_loading"),
+    ],
+)
+def test_engine_config_refuses_bad_adapter_settings(field, value, message):
+    from replicas.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **{field: value})
