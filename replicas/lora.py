@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from kernels.sgmv import SgmvBatch, get_backend
-from replicas.adapters.loader import AdapterWeights
+from replicas.adapters.loader import AdapterFile, AdapterWeights
 from replicas.models.spec import ModelSpec
 
 LORA_GROUPS: dict[str, tuple[str, ...]] = {
@@ -80,6 +80,8 @@ class LoraWeightPool:
                            for g, (a_off, a_shape, _, _) in self.regions.items()})
             self.b.append({g: _region(buf, b_off, b_shape)
                            for g, (_, _, b_off, b_shape) in self.regions.items()})
+        self._layer_bytes = [buf.view(torch.uint8) for buf in self.layers]  # for packed writes
+        self._slot_bytes = self._layer_bytes[0].shape[1]
         self.ranks_host = [0] * num_slots
         self.scalings_host = [0.0] * num_slots
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
@@ -94,33 +96,63 @@ class LoraWeightPool:
         max rank and the slot layout wastes little (untargeted projections are zeros in it), the
         weights are packed into one buffer per layer in the slot's layout; a write is then one
         copy per layer, near the full host->device bandwidth, instead of two per module."""
-        R = self.max_rank
-        packed_bytes = self.spec.num_layers * self.slot_elems * self.layers[0].element_size()
-        if (
-            any(a.shape[0] != R for a, _ in weights.modules.values())
-            or packed_bytes > PACK_OVERHEAD * weights.nbytes
+        if weights.modules and all(a.dtype == self.dtype for a, _ in weights.modules.values()):
+            parts = {key: (a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                     for key, (a, b) in weights.modules.items()}
+            packed = self._pack(weights.name, weights.rank, weights.scaling, parts,
+                                [a.shape[0] for a, _ in weights.modules.values()])
+            if packed is not None:
+                return packed
+        return weights.pinned() if self.device.type == "cuda" else weights
+
+    def pack_file(self, file: AdapterFile) -> AdapterWeights:
+        """`pack` straight from the file's bytes: when the file's dtype is the pool's and no
+        module has its own scaling, the packed buffers are filled by one copy, with no torch op
+        per module (this runs on a reader thread; see AdapterFile)."""
+        if not file.ratios and all(
+            a.dtype == self.dtype and b.dtype == self.dtype for a, b in file.pairs.values()
         ):
-            return weights.pinned() if self.device.type == "cuda" else weights
-        layers, modules = [], {}
-        pin = self.device.type == "cuda"
+            raw = file.raw
+            parts = {key: (raw[a.start : a.end], raw[b.start : b.end])  # indexing: no GIL release
+                     for key, (a, b) in file.pairs.items()}
+            packed = self._pack(file.name, file.rank, file.config.scaling(), parts,
+                                [a.shape[0] for a, _ in file.pairs.values()])
+            if packed is not None:
+                return packed
+        return self.pack(file.to_weights(self.dtype))
+
+    def _pack(self, name: str, rank: int, scaling: float,
+              parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+              ranks: list[int]) -> AdapterWeights | None:
+        """One pinned buffer in the slot layout, filled by one `torch.cat` of the modules' bytes
+        (`parts`: uint8 A and B per module) and zeros; None when packing does not pay."""
+        elem = self.layers[0].element_size()
+        packed_bytes = self.spec.num_layers * self.slot_elems * elem
+        given = sum(a.numel() + b.numel() for a, b in parts.values())
+        if any(r != self.max_rank for r in ranks) or packed_bytes > PACK_OVERHEAD * given:
+            return None
+        largest = max(a_shape[0] * a_shape[1] for _, a_shape, _, _ in self.regions.values())
+        largest = max(largest, *(b_shape[0] * b_shape[1] for *_, b_shape in self.regions.values()))
+        zeros = torch.zeros(largest * elem, dtype=torch.uint8)
+        R = self.max_rank
+        order = []
         for layer in range(self.spec.num_layers):
-            buf = torch.zeros(self.slot_elems, dtype=self.dtype, pin_memory=pin)
             for group, targets in LORA_GROUPS.items():
-                a_off, a_shape, b_off, b_shape = self.regions[group]
-                a_all = buf[a_off : a_off + a_shape[0] * a_shape[1]].view(a_shape)
-                b_all = buf[b_off : b_off + b_shape[0] * b_shape[1]].view(b_shape)
+                _, (_, d_in), _, _ = self.regions[group]
                 offsets = self.out_offsets[group]
-                for i, target in enumerate(targets):
-                    pair = weights.modules.get((layer, target))
-                    if pair is None:
-                        continue
-                    a = a_all[i * R : (i + 1) * R]
-                    b = b_all[offsets[i] : offsets[i + 1]]
-                    a.copy_(pair[0])
-                    b.copy_(pair[1])
-                    modules[(layer, target)] = (a, b)
-            layers.append(buf)
-        return AdapterWeights(weights.name, weights.rank, weights.scaling, modules, tuple(layers))
+                for side in (0, 1):
+                    for i, target in enumerate(targets):
+                        pair = parts.get((layer, target))
+                        if pair is not None:
+                            order.append(pair[side])
+                            continue
+                        n = R * d_in if side == 0 else (offsets[i + 1] - offsets[i]) * R
+                        order.append(zeros[: n * elem])
+        buf = torch.empty(packed_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        torch.cat(order, out=buf)
+        step = self.slot_elems * elem
+        layers = tuple(buf[i * step : (i + 1) * step] for i in range(self.spec.num_layers))
+        return AdapterWeights(name, rank, scaling, {}, layers)
 
     def write(
         self, slot: int, weights: AdapterWeights, stream: torch.cuda.Stream | None = None
@@ -140,10 +172,10 @@ class LoraWeightPool:
         with ctx:
             self.ranks[slot] = weights.rank
             self.scalings[slot] = weights.scaling
-            packed = weights.layers is not None and weights.layers[0].numel() == self.slot_elems
+            packed = weights.layers is not None and weights.layers[0].numel() == self._slot_bytes
             for layer in range(self.spec.num_layers):
                 if packed:  # the whole layer, zeros past each module's rank included
-                    self.layers[layer][slot].copy_(weights.layers[layer], non_blocking=True)
+                    self._layer_bytes[layer][slot].copy_(weights.layers[layer], non_blocking=True)
                     if events is not None:
                         event = torch.cuda.Event()
                         event.record(stream)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,8 @@ class AdapterWeights:
     rank: int  # the largest rank over its modules
     scaling: float
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    # Set by `LoraWeightPool.pack`: one buffer per layer laid out as that pool's slot, so a
-    # layer goes to the device in one copy. `modules` are then views into these buffers.
+    # Set by `LoraWeightPool.pack`: one uint8 buffer per layer holding the bytes of that pool's
+    # slot, so a layer goes to the device in one copy. `modules` is then empty.
     layers: tuple[torch.Tensor, ...] | None = None
 
     @property
@@ -147,23 +148,104 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
     )
 
 
-def load_adapter(
-    name: str,
-    path: str | Path,
-    spec: ModelSpec,
-    max_lora_rank: int,
-    dtype: torch.dtype = torch.float32,
-) -> AdapterWeights:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16}
 
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in an `AdapterFile`'s bytes."""
+
+    dtype: torch.dtype | None  # None: not a floating-point type
+    shape: tuple[int, ...]
+    start: int  # byte offsets into the whole file
+    end: int
+
+
+@dataclass(frozen=True)
+class AdapterFile:
+    """An adapter's weights file, read with one call, and its layout checked against the model.
+
+    Nothing here makes a tensor per module: a reader thread that ran one torch op per tensor would
+    hand the GIL back and forth with the engine's step loop hundreds of times per adapter (each
+    hand-back can wait out the interpreter's switch interval). `LoraWeightPool.pack_file` turns
+    it into the slot layout with one copy; `to_weights` gives per-module tensors.
+    """
+
+    name: str
+    config: AdapterConfig
+    raw: torch.Tensor  # uint8, the whole file
+    pairs: dict[tuple[int, str], tuple[TensorEntry, TensorEntry]]  # (layer, target) -> (A, B)
+    ratios: dict[tuple[int, str], float]  # per-module scaling over `config.scaling()`, if not 1
+
+    @property
+    def rank(self) -> int:
+        return max(a.shape[0] for a, _ in self.pairs.values())
+
+    def tensor(self, entry: TensorEntry) -> torch.Tensor:
+        data = self.raw[entry.start : entry.end]
+        if entry.start % entry.dtype.itemsize:  # safetensors does not promise aligned data
+            data = data.clone()
+        return data.view(entry.dtype).view(entry.shape)
+
+    def to_weights(self, dtype: torch.dtype) -> AdapterWeights:
+        modules = {}
+        for key, (a_entry, b_entry) in self.pairs.items():
+            a, b = self.tensor(a_entry), self.tensor(b_entry)
+            ratio = self.ratios.get(key, 1.0)
+            b = b.float() * ratio if ratio != 1.0 else b
+            modules[key] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
+        return AdapterWeights(self.name, self.rank, self.config.scaling(), modules)
+
+
+def _read_safetensors(path: Path) -> tuple[torch.Tensor, dict[str, TensorEntry]]:
+    """The file's bytes and its tensor table; ValueError or OSError if it is not safetensors."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        if f.readinto(data) != len(data):
+            raise ValueError("short read")
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, shorter than the header size field")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len == 0 or 8 + header_len > len(data):
+        raise ValueError(f"header of {header_len} bytes in a file of {len(data)}")
+    try:
+        header = json.loads(bytes(data[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    base, size = 8 + header_len, len(data)
+    entries = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            shape = tuple(int(n) for n in shape)
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"tensor {key!r} has a malformed entry") from e
+        dtype = _DTYPES.get(dtype_name)  # None: not floating point, refused by the caller
+        if not 0 <= begin <= end <= size - base:
+            raise ValueError(f"tensor {key!r} lies outside the file (truncated?)")
+        if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {key!r}: {end - begin} bytes for shape {list(shape)}")
+        entries[key] = TensorEntry(dtype, shape, base + begin, base + end)
+    return torch.frombuffer(data, dtype=torch.uint8), entries
+
+
+def read_adapter_file(
+    name: str, path: str | Path, spec: ModelSpec, max_lora_rank: int
+) -> AdapterFile:
+    """Read an adapter's weights and check every tensor's name, shape, dtype and rank."""
     config = read_adapter_config(path, max_lora_rank)
     try:
-        tensors = load_file(str(config.path / WEIGHTS_FILE))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raw, entries = _read_safetensors(config.path / WEIGHTS_FILE)
+    except (OSError, ValueError) as e:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is unreadable ({e})") from e
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    for key, entry in entries.items():
         m = _KEY.match(key)
         if m is None or m.group(2) not in LORA_TARGETS:
             raise AdapterError(f"adapter {name!r}: unsupported tensor {key!r}")
@@ -172,29 +254,39 @@ def load_adapter(
             raise AdapterError(
                 f"adapter {name!r}: layer {layer} beyond the model's {spec.num_layers}"
             )
-        pairs.setdefault((layer, target), {})[which] = tensor
-    if not pairs:
+        found.setdefault((layer, target), {})[which] = entry
+    if not found:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    modules = {}
-    for (layer, target), ab in sorted(pairs.items()):
+    pairs, ratios = {}, {}
+    for (layer, target), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: layer {layer} {target} lacks lora_A or lora_B")
         a, b = ab["A"], ab["B"]
         d_in, d_out = spec.lora_dims(target)
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
+        r = a.shape[0] if a.shape else 0
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
             raise AdapterError(
-                f"adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)} and "
-                f"B {tuple(b.shape)}; the model needs A [r, {d_in}] and B [{d_out}, r]"
+                f"adapter {name!r}: layer {layer} {target} has A {list(a.shape)} and "
+                f"B {list(b.shape)}; the model needs A [r, {d_in}] and B [{d_out}, r]"
             )
         if r > max_lora_rank:
             raise AdapterError(f"adapter {name!r}: rank {r} above max_lora_rank {max_lora_rank}")
-        if not (a.is_floating_point() and b.is_floating_point()):
+        if a.dtype is None or b.dtype is None:
             raise AdapterError(f"adapter {name!r}: layer {layer} {target} is not floating point")
         parent = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
         module = f"model.layers.{layer}.{parent}.{target}"
         ratio = config.scaling(r, config.alpha_for(module)) / config.scaling()
-        b = b.float() * ratio if ratio != 1.0 else b
-        modules[(layer, target)] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
-    rank = max(a.shape[0] for a, _ in modules.values())
-    return AdapterWeights(name=name, rank=rank, scaling=config.scaling(), modules=modules)
+        if ratio != 1.0:
+            ratios[(layer, target)] = ratio
+        pairs[(layer, target)] = (a, b)
+    return AdapterFile(name, config, raw, pairs, ratios)
+
+
+def load_adapter(
+    name: str,
+    path: str | Path,
+    spec: ModelSpec,
+    max_lora_rank: int,
+    dtype: torch.dtype = torch.float32,
+) -> AdapterWeights:
+    return read_adapter_file(name, path, spec, max_lora_rank).to_weights(dtype)

@@ -27,7 +27,12 @@ from pathlib import Path
 import torch
 
 from replicas.adapters.host_cache import HostCache
-from replicas.adapters.loader import AdapterError, AdapterWeights, load_adapter, read_adapter_config
+from replicas.adapters.loader import (
+    AdapterError,
+    AdapterWeights,
+    read_adapter_config,
+    read_adapter_file,
+)
 from replicas.adapters.prefetcher import PrefetchQueue, SlotView
 from replicas.adapters.slot_pool import SlotPool
 from replicas.lora import LoraWeightPool
@@ -278,10 +283,10 @@ class AdapterManager:
     def _read(self, adapter: str, path: Path) -> AdapterWeights:
         """Disk -> (pinned) host memory. Runs on a worker thread; touches no shared state."""
         try:
-            weights = load_adapter(adapter, path, self.spec, self.max_lora_rank, self.dtype)
+            file = read_adapter_file(adapter, path, self.spec, self.max_lora_rank)
         except AdapterError as e:
             raise AdapterLoadError(str(e)) from e
-        return self.weights.pack(weights) if self.on_cuda else weights
+        return self.weights.pack_file(file) if self.on_cuda else file.to_weights(self.dtype)
 
     def _start_read(self, adapter: str) -> None:
         if adapter in self._reads:
