@@ -161,6 +161,8 @@ def run(engine: Engine, requests) -> dict:
         "adapter_wait_mean_ms": 1000 * statistics.fmean(waits) if waits else 0.0,
         "gpu_loads": stats.gpu_loads,
         "disk_reads": stats.disk_reads,
+        "disk_read_mean_ms": 1000 * statistics.fmean(stats.read_seconds)
+        if stats.read_seconds else 0.0,
         "prefetch_loads": stats.prefetch_loads,
         "requests": len(first),
     }
@@ -182,6 +184,7 @@ def warm_up(engine: Engine, names: list[str], args) -> None:
     run(engine, requests)
     stats = engine.adapters.stats
     stats.gpu_loads = stats.prefetch_loads = stats.hits = stats.misses = stats.disk_reads = 0
+    stats.read_seconds.clear()
 
 
 def copy_bandwidth(engine: Engine, adapter: str) -> dict:
@@ -264,6 +267,8 @@ def save(args, rows: list[dict], copy: dict | None) -> None:
         "adapter_wait_mean_ms",
         "gpu_loads",
         "prefetch_loads",
+        "disk_reads",
+        "disk_read_mean_ms",
         "ttft_p50_vs_blocking",
         "throughput_vs_blocking",
         "churn_penalty",

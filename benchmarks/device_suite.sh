@@ -40,10 +40,10 @@ for s in "$@"; do
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
         sgmv-sweep) stage sgmv-sweep 240 python -m benchmarks.bench_sgmv --sweep ;;
         churn16)
-            churn churn16 300 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 40 \
+            churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 40 \
                 --popularity distinct,uniform,skewed --resident ;;
         churn-large)  # 0.67 GB adapters: copies of ~13 ms, where loading dominates
-            churn churn-large 360 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
+            churn churn-large 560 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
                 --num-requests 40 --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
                 --popularity distinct,uniform --resident ;;
         churn128)  # a host cache of 32: disk reads join the churn

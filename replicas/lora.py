@@ -124,8 +124,9 @@ class LoraWeightPool:
     def _pack(self, name: str, rank: int, scaling: float,
               parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
               ranks: list[int]) -> AdapterWeights | None:
-        """One pinned buffer in the slot layout, filled by one `torch.cat` of the modules' bytes
-        (`parts`: uint8 A and B per module) and zeros; None when packing does not pay."""
+        """Pinned buffers in the slot layout, one per layer, each filled by one `torch.cat` of
+        the modules' bytes (`parts`: uint8 A and B per module) and zeros; None when packing does
+        not pay."""
         elem = self.layers[0].element_size()
         packed_bytes = self.spec.num_layers * self.slot_elems * elem
         given = sum(a.numel() + b.numel() for a, b in parts.values())
@@ -148,10 +149,16 @@ class LoraWeightPool:
                             continue
                         n = R * d_in if side == 0 else (offsets[i + 1] - offsets[i]) * R
                         order.append(zeros[: n * elem])
-        buf = torch.empty(packed_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        torch.cat(order, out=buf)
-        step = self.slot_elems * elem
-        layers = tuple(buf[i * step : (i + 1) * step] for i in range(self.spec.num_layers))
+        # One buffer per layer: the host cache frees and reuses them as adapters come and go,
+        # and pinned blocks of a layer's size are cheap to find again.
+        pin = self.device.type == "cuda"
+        per_layer = len(order) // self.spec.num_layers
+        layers = []
+        for layer in range(self.spec.num_layers):
+            buf = torch.empty(self.slot_elems * elem, dtype=torch.uint8, pin_memory=pin)
+            torch.cat(order[layer * per_layer : (layer + 1) * per_layer], out=buf)
+            layers.append(buf)
+        layers = tuple(layers)
         return AdapterWeights(name, rank, scaling, {}, layers)
 
     def write(

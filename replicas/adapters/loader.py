@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from replicas.models.spec import LORA_TARGETS, ModelSpec
@@ -200,17 +201,14 @@ class AdapterFile:
 
 def _read_safetensors(path: Path) -> tuple[torch.Tensor, dict[str, TensorEntry]]:
     """The file's bytes and its tensor table; ValueError or OSError if it is not safetensors."""
-    with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        if f.readinto(data) != len(data):
-            raise ValueError("short read")
+    data = np.fromfile(path, dtype=np.uint8)  # one read, the GIL released during it
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes, shorter than the header size field")
-    header_len = int.from_bytes(data[:8], "little")
+    header_len = int.from_bytes(data[:8].tobytes(), "little")
     if header_len == 0 or 8 + header_len > len(data):
         raise ValueError(f"header of {header_len} bytes in a file of {len(data)}")
     try:
-        header = json.loads(bytes(data[8 : 8 + header_len]))
+        header = json.loads(data[8 : 8 + header_len].tobytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"header is not JSON: {e}") from e
     if not isinstance(header, dict):
@@ -232,7 +230,7 @@ def _read_safetensors(path: Path) -> tuple[torch.Tensor, dict[str, TensorEntry]]
         if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"tensor {key!r}: {end - begin} bytes for shape {list(shape)}")
         entries[key] = TensorEntry(dtype, shape, base + begin, base + end)
-    return torch.frombuffer(data, dtype=torch.uint8), entries
+    return torch.from_numpy(data), entries
 
 
 def read_adapter_file(

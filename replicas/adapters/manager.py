@@ -42,10 +42,12 @@ from replicas.scheduler import AdapterLoadError
 logger = logging.getLogger(__name__)
 
 LOADING_MODES = ("blocking", "overlap", "prefetch")
-# A copy expected to take at most this long (or a recent step's time, if longer) never holds a
-# request back (`copy_settled`): it arrives layer by layer while the step computes, or stretches
-# the step by less than admitting the request a step later would cost it.
+# A copy expected to take at most COPY_STEPS recent steps (or SHORT_COPY_S, if longer) never holds
+# a request back (`copy_settled`): it arrives layer by layer while the step computes, and
+# stretches the step it joins by at most one step's time -- what admitting the request a step
+# later would cost that request anyway.
 SHORT_COPY_S = 0.005
+COPY_STEPS = 2.0
 COPY_BYTES_PER_S = 50e9  # pinned host -> GPU over PCIe 5 (about 55 GB/s measured on an H100)
 HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it was due is dropped
 
@@ -177,7 +179,9 @@ class AdapterManager:
                 path = self._path(adapter)
             except AdapterError as e:
                 raise AdapterLoadError(str(e)) from e
+            started = time.monotonic()
             self._finish_read(adapter, self._read(adapter, path))
+            self._record_read(time.monotonic() - started)
             return True
         self._start_read(adapter)
         if self._collect(adapter):
@@ -188,14 +192,14 @@ class AdapterManager:
 
     def copy_settled(self, adapter: str) -> bool:
         """No copy of the adapter in flight, or one short enough to arrive layer by layer while
-        a step computes (expected to take at most a recent step's time, `step_time_s`, or
+        a step computes (expected to take at most COPY_STEPS recent steps, `step_time_s`, or
         SHORT_COPY_S), or one whose middle layer has landed. Queries an event; never waits."""
         slot = self.slots.slot_of(adapter)
         copy = self._pending.get(slot) if slot is not None else None
         if copy is None:
             return True
         events, nbytes = copy
-        if nbytes <= max(SHORT_COPY_S, self.step_time_s) * COPY_BYTES_PER_S:
+        if nbytes <= max(SHORT_COPY_S, COPY_STEPS * self.step_time_s) * COPY_BYTES_PER_S:
             return True
         return events[len(events) // 2].query()
 
@@ -312,9 +316,12 @@ class AdapterManager:
             self.queue.discard(adapter)
             return False
         self._finish_read(adapter, weights)
-        self.stats.read_seconds.append(time.monotonic() - self._read_started.pop(adapter))
-        del self.stats.read_seconds[:-256]
+        self._record_read(time.monotonic() - self._read_started.pop(adapter))
         return True
+
+    def _record_read(self, seconds: float) -> None:
+        self.stats.read_seconds.append(seconds)
+        del self.stats.read_seconds[:-256]
 
     def _finish_read(self, adapter: str, weights: AdapterWeights) -> None:
         self.host.put(adapter, weights, pinned=adapter in self.pinned)
