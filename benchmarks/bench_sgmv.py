@@ -327,13 +327,14 @@ def sweep_fused(args: argparse.Namespace) -> None:
 
 
 def sweep(args: argparse.Namespace) -> None:
-    """Time shrink alone and expand alone over candidate tilings (one table row at a time) for a
-    few QUICK cases, and a graph of empty kernels (the launch floor); prints, writes nothing."""
+    """Time shrink alone and expand alone (all four groups of a layer) over candidate tilings,
+    the current table row first, at B = D = 64 and B = 1, plus a graph of empty kernels (the
+    launch floor); prints each time and the best per kernel, writes nothing."""
     from dataclasses import replace
 
     from benchmarks.common import time_cuda
     from kernels import sgmv_triton
-    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
+    from kernels.sgmv_tuning import EXPAND_TABLE, NO_SPLIT, SHRINK_TABLE, pick
 
     noop = torch.zeros(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -344,31 +345,50 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"launch floor: {time_cuda(graph.replay) / 100:.2f} us per tiny kernel in a graph")
 
     device = torch.device("cuda")
-    for case in (QUICK[0], QUICK[2], QUICK[5]):
+    for case in (QUICK[2], QUICK[0]):  # the bandwidth target first, then latency at B = 1
         p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
                          device)
         p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
                                             len(p.shapes[g][1])) for g in p.shapes}
         base_s, base_e = pick(SHRINK_TABLE, case.num_tokens), pick(EXPAND_TABLE, case.num_tokens)
-        shrinks = [replace(base_s, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w)
-                   for bn in (16, 64) for bk, kps in ((128, 256), (256, 256), (256, 512),
-                                                       (512, 512), (256, 1024), (128, 2048))
-                   for w in (4, 8)]
-        expands = [replace(base_e, block_n=bn, num_warps=w, programs_per_sm=pps)
-                   for bn in (64, 128, 256) for w in (4, 8) for pps in (8, 16)]
+        shrinks = [base_s] + [
+            replace(base_s, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
+                    num_stages=st, programs_per_sm=pps)
+            for bn, bk, kps, w, st, pps in (
+                (64, 256, 512, 4, 1, 8), (64, 256, 1024, 4, 2, 8), (64, 512, 1024, 8, 1, 4),
+                (64, 256, 2048, 4, 2, 4), (64, 512, 2048, 8, 2, 4), (64, 128, 1024, 4, 3, 8),
+                (16, 256, 1024, 4, 2, 8), (16, 512, 2048, 4, 2, 8), (64, 256, NO_SPLIT, 4, 3, 4),
+            )
+        ]
+        expands = [base_e] + [
+            replace(base_e, block_n=bn, block_r=br, num_warps=w, num_stages=st,
+                    programs_per_sm=pps)
+            for bn, br, w, st, pps in (
+                (128, 16, 4, 1, 16), (256, 16, 4, 2, 16), (512, 16, 4, 1, 8), (512, 16, 8, 2, 8),
+                (1024, 16, 8, 1, 4), (256, 64, 8, 2, 8), (512, 64, 8, 2, 4),
+            )
+        ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
-        for group in ("qkv", "down"):
-            for t in shrinks:
-                sgmv_triton.SHRINK_TABLE = ((None, t),)
-                us = graph_us_per_layer(p, shrink_layer, [group])
-                print(f"shrink {group} {t} {us:.2f}", flush=True)
-            sgmv_triton.SHRINK_TABLE = SHRINK_TABLE
-        for group in ("qkv", "gate_up"):
-            for t in expands:
-                sgmv_triton.EXPAND_TABLE = ((None, t),)
-                us = graph_us_per_layer(p, expand_layer, [group])
-                print(f"expand {group} {t} {us:.2f}", flush=True)
-            sgmv_triton.EXPAND_TABLE = EXPAND_TABLE
+        for kind, table_name, candidates, layer_fn in (
+            ("shrink", "SHRINK_TABLE", shrinks, shrink_layer),
+            ("expand", "EXPAND_TABLE", expands, expand_layer),
+        ):
+            saved = getattr(sgmv_triton, table_name)
+            results = []
+            for t in candidates:
+                setattr(sgmv_triton, table_name, ((None, t),))
+                try:
+                    us = graph_us_per_layer(p, layer_fn)  # all four groups: one layer's worth
+                except Exception as e:  # a tiling the compiler or the GPU refuses
+                    print(f"{kind} {t} failed: {type(e).__name__}: {e}", flush=True)
+                    continue
+                results.append((us, t))
+                print(f"{kind} {t} {us:.2f}", flush=True)
+            setattr(sgmv_triton, table_name, saved)
+            if results:
+                best_us, best = min(results, key=lambda r: r[0])
+                print(f"best {kind} at {case.num_tokens} tokens: {best_us:.2f} us/layer "
+                      f"(table row {results[0][0]:.2f}): {best}", flush=True)
         del p
         torch.cuda.empty_cache()
 

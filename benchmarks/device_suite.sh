@@ -38,7 +38,7 @@ for s in "$@"; do
         decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
         sgmv-quick) stage sgmv-quick 150 python -m benchmarks.bench_sgmv --quick --out "$OUT" ;;
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
-        sgmv-sweep) stage sgmv-sweep 240 python -m benchmarks.bench_sgmv --sweep ;;
+        sgmv-sweep) stage sgmv-sweep 420 python -m benchmarks.bench_sgmv --sweep ;;
         churn16)
             churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 40 \
                 --popularity distinct,uniform,skewed --resident ;;
