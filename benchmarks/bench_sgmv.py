@@ -285,16 +285,18 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
 ]
 
 
-# (block_m, block_n, block_k, k_per_split, block_o, block_r, warps, stages, programs_per_sm)
+# (block_m, block_k, block_o, warps, stages)
 FUSED_CANDIDATES = [
-    (16, 64, 128, 128, 256, 64, 4, 2, 2),
-    (16, 64, 128, 256, 256, 64, 4, 2, 2),
-    (16, 64, 256, 512, 256, 64, 4, 2, 2),
-    (16, 64, 128, 512, 512, 64, 4, 2, 2),
-    (16, 64, 256, 256, 128, 64, 4, 1, 2),
-    (16, 64, 128, 256, 512, 64, 8, 2, 1),
-    (16, 64, 128, 1024, 256, 64, 4, 2, 2),
-    (16, 64, 64, 256, 256, 64, 4, 3, 2),
+    (1, 256, 128, 4, 2),
+    (1, 512, 128, 4, 2),
+    (1, 256, 256, 4, 3),
+    (1, 512, 256, 8, 2),
+    (1, 1024, 64, 4, 2),
+    (2, 256, 128, 4, 2),
+    (4, 256, 128, 4, 2),
+    (8, 256, 128, 4, 2),
+    (16, 128, 128, 4, 3),
+    (16, 256, 256, 8, 2),
 ]
 
 
@@ -311,7 +313,7 @@ def sweep_fused(args: argparse.Namespace) -> None:
         print(f"== tokens {case.num_tokens} adapters {case.num_adapters} ranks {case.rank_label}"
               f" floor {floor:.1f} us", flush=True)
         for c in FUSED_CANDIDATES:
-            t = FusedTiling(*c[:6], num_warps=c[6], num_stages=c[7], programs_per_sm=c[8])
+            t = FusedTiling(*c[:3], num_warps=c[3], num_stages=c[4])
             sgmv_triton.FUSED_TABLE = ((None, t),)
             try:
                 us = graph_us_per_layer(p, sgmv_layer)

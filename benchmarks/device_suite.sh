@@ -39,6 +39,7 @@ for s in "$@"; do
         sgmv-quick) stage sgmv-quick 150 python -m benchmarks.bench_sgmv --quick --out "$OUT" ;;
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
         sgmv-sweep) stage sgmv-sweep 420 python -m benchmarks.bench_sgmv --sweep ;;
+        sgmv-fused) stage sgmv-fused 300 python -m benchmarks.bench_sgmv --sweep-fused ;;
         churn16)
             churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 40 \
                 --popularity distinct,uniform,skewed --resident ;;

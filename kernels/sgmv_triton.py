@@ -23,13 +23,13 @@ is (tile, column block); column blocks never cross a slice boundary, so slices o
 widths (GQA q/k/v) are one launch. The rank loop stops at the slot's true rank. Each y element is
 read, updated and written by exactly one program: deterministic, no atomics.
 
-Fused (`triton_apply`, token counts that `FUSED_TABLE` covers): one launch per group. Shrink
-items (tile, column block, K split) store float32 partials and count one arrival on their tile's
-counter; expand items (tile, output column block) of the same launch load y and B, wait until the
-tile's arrivals are all in, sum the partials in split order and update y. The counters only order
-and elect (the last reader resets its tile's counter to 0); every value is a fixed-order sum, so
-results are deterministic. Since items wait on other programs, the grid never exceeds what the
-SMs hold at once.
+Fused (`triton_apply`, token counts that `FUSED_TABLE` covers): one launch per group and no
+waits between programs. A program owns (output column block, segment): it computes its slice's
+shrink for the segment's rows over the whole hidden size (x . A[slot, slice, :rank]^T: every
+column block of a slice recomputes it, from L2 after the first), rounds it to the input dtype as
+the two-kernel path stores h, and updates its y columns. For small batches, where a step is a
+chain of launches and round trips rather than bytes, this halves the launches per group and
+drops the split-K reduction; the price is the repeated shrink, so it is meant for few tokens.
 
 Rows of h for tokens outside every segment are unspecified (never written); the expand never
 reads them and never touches those rows of y. Inputs are float32, float16 or bfloat16;
@@ -46,13 +46,12 @@ import triton.language as tl
 
 from kernels.launch import cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
-from kernels.sgmv_tuning import EXPAND_TABLE, FUSED_TABLE, SHRINK_TABLE, FusedTiling, pick
+from kernels.sgmv_tuning import EXPAND_TABLE, FUSED_TABLE, SHRINK_TABLE, pick
 
 MAX_SLICES = 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETER_SMS = 1  # CPU (Triton's interpreter): few programs, each striding over many items
 _LOCK_MIN = 1 << 16  # int32 arrival counters allocated at first use, per device
-MAX_FUSED_SPLITS = 32  # the expand sums the splits' partials in unrolled code
 
 
 @triton.jit
@@ -295,18 +294,14 @@ def _sgmv_expand_kernel(
 @triton.jit
 def _sgmv_fused_kernel(
     x_ptr,  # [T, K]
-    a_ptr,  # [num_slots, NUM_COLS, K]
+    a_ptr,  # [num_slots, NUM_SLICES * MAX_RANK, K]
     b_ptr,  # [num_slots, O_4, MAX_RANK]
     y_ptr,  # [T, O_4]
-    part_ptr,  # [SPLIT_K, T, NUM_COLS] float32: the shrink's split-K partials
-    lock_ptr,  # [>= bound_tiles] int32, zero between launches
     seg_indptr_ptr,
     seg_slots_ptr,
     slot_ranks_ptr,
     slot_scalings_ptr,
-    num_segments,
     num_slots,
-    num_tokens,
     K,
     stride_xt,
     stride_as,
@@ -315,8 +310,6 @@ def _sgmv_fused_kernel(
     stride_bn,
     stride_yt,
     MAX_RANK: tl.constexpr,
-    NUM_COLS: tl.constexpr,
-    NUM_CB: tl.constexpr,
     O_1: tl.constexpr,
     O_2: tl.constexpr,
     O_3: tl.constexpr,
@@ -324,123 +317,60 @@ def _sgmv_fused_kernel(
     NB_1: tl.constexpr,
     NB_2: tl.constexpr,
     NB_3: tl.constexpr,
-    NUM_NB: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     BLOCK_SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
     BLOCK_O: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    NUM_RB: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # >= MAX_RANK: the whole rank in registers
+    EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    starts, ends, slots, tiles, tiles_incl = _segment_table(
-        seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S, BLOCK_M
-    )
+    nb = tl.program_id(0)  # output column block (over all slices)
+    seg = tl.program_id(1)
+    # Metadata: one round trip (the slot tables do not depend on the segment's loads).
+    start = tl.load(seg_indptr_ptr + seg)
+    end = tl.load(seg_indptr_ptr + seg + 1)
+    slot = tl.load(seg_slots_ptr + seg)
     slot_ids = tl.arange(0, BLOCK_SLOTS)
     slot_live = slot_ids < num_slots
     slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_live, other=0)
     slot_scales = tl.load(slot_scalings_ptr + slot_ids, mask=slot_live, other=0.0)
-    num_tiles = tl.sum(tiles, axis=0)
-    num_shrink = num_tiles * (NUM_CB * SPLIT_K)  # shrink items first, then expand items
-    num_items = num_shrink + num_tiles * NUM_NB
-    split_stride = num_tokens * NUM_COLS
-    arrivals: tl.constexpr = NUM_CB * SPLIT_K
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        if item < num_shrink:  # (tile, column block, split): a float32 partial of h
-            ks = item % SPLIT_K
-            cb = (item // SPLIT_K) % NUM_CB
-            j = item // (SPLIT_K * NUM_CB)
-            first_row, end_row, slot = _locate_tile(
-                j, starts, ends, slots, tiles, tiles_incl, BLOCK_M
-            )
-            rank = _slot_value(slot, slot_ids, slot_ranks)
-            if rank > 0:
-                rows = (first_row + offs_m).to(tl.int64)
-                row_mask = rows < end_row
-                cols = cb * BLOCK_N + offs_n
-                col_live = (cols < NUM_COLS) & ((cols % MAX_RANK) < rank)
-                if tl.sum(col_live.to(tl.int32), axis=0) > 0:
-                    k_lo = ks * K_PER_SPLIT
-                    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-                    x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
-                    a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as + cols[:, None] * stride_ar
-                              + offs_k[None, :])
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for k0 in range(k_lo, k_hi, BLOCK_K):
-                        if EVEN_K:
-                            xv = tl.load(x_ptrs + k0, mask=row_mask[:, None], other=0.0)
-                            av = tl.load(a_ptrs + k0, mask=col_live[:, None], other=0.0)
-                        else:
-                            k_in = (k0 + offs_k) < K
-                            xv = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_in[None, :],
-                                         other=0.0)
-                            av = tl.load(a_ptrs + k0, mask=col_live[:, None] & k_in[None, :],
-                                         other=0.0)
-                        acc = _product(xv, av, acc, PRECISION)
-                    part_ptrs = part_ptr + ks * split_stride + rows[:, None] * NUM_COLS
-                    tl.store(part_ptrs + cols[None, :], acc,
-                             mask=row_mask[:, None] & col_live[None, :])
-                # Every thread's partial is stored before the (release) arrival is counted.
-                tl.debug_barrier()
-                tl.atomic_add(lock_ptr + j, 1, sem="release", scope="gpu")
-        else:  # (tile, output column block): y += scale * (sum of partials) @ B^T
-            e = item - num_shrink
-            nb = e % NUM_NB
-            j = e // NUM_NB
-            first_row, end_row, slot = _locate_tile(
-                j, starts, ends, slots, tiles, tiles_incl, BLOCK_M
-            )
-            rank = _slot_value(slot, slot_ids, slot_ranks)
-            if rank > 0:
-                scale = _slot_value(slot, slot_ids, slot_scales)
-                sl, cols, col_mask = _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3,
-                                                    BLOCK_O)
-                rows = (first_row + offs_m).to(tl.int64)
-                row_mask = rows < end_row
-                # y and the first rank block of B do not depend on the shrink: load them first.
-                y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
-                y_mask = row_mask[:, None] & col_mask[None, :]
-                yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn
-                          + offs_r[None, :])
-                r_in = offs_r < rank
-                bv = tl.load(b_ptrs, mask=col_mask[:, None] & r_in[None, :], other=0.0)
-
-                lock = lock_ptr + j
-                arrived = tl.atomic_add(lock, 0, sem="acquire", scope="gpu")
-                while arrived < arrivals:  # every split of this tile has stored its partial
-                    arrived = tl.atomic_add(lock, 0, sem="acquire", scope="gpu")
-                tl.debug_barrier()
-
-                h_ptrs = (part_ptr + rows[:, None] * NUM_COLS + sl * MAX_RANK
-                          + offs_r[None, :])
-                acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
-                for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
-                    if rb > 0:
-                        r_in = (rb * BLOCK_R + offs_r) < rank
-                        bv = tl.load(b_ptrs + rb * BLOCK_R,
-                                     mask=col_mask[:, None] & r_in[None, :], other=0.0)
-                    h_mask = row_mask[:, None] & r_in[None, :]
-                    hv = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT_K):  # unrolled: loads in flight together
-                        hv += tl.load(h_ptrs + s * split_stride + rb * BLOCK_R, mask=h_mask,
-                                      other=0.0, cache_modifier=".cg")  # other SMs wrote these
-                    acc = _product(hv.to(bv.dtype), bv, acc, PRECISION)
-                out = yv.to(tl.float32) + scale * acc
-                tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-                # The last reader of the tile's partials puts its counter back to zero.
-                done = tl.atomic_add(lock, 1, sem="relaxed", scope="gpu")
-                if done == arrivals + NUM_NB - 1:
-                    tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+    rank = _slot_value(slot, slot_ids, slot_ranks)
+    if (end > start) & (rank > 0):
+        scale = _slot_value(slot, slot_ids, slot_scales)
+        sl, cols, col_mask = _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_O)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_in = offs_r < rank  # rows of A / columns of B past the slot's rank: never loaded
+        slot64 = slot.to(tl.int64)
+        a_ptrs = (a_ptr + slot64 * stride_as + (sl * MAX_RANK + offs_r)[:, None] * stride_ar
+                  + offs_k[None, :])
+        b_ptrs = b_ptr + slot64 * stride_bs + cols[:, None] * stride_bn + offs_r[None, :]
+        bv = tl.load(b_ptrs, mask=col_mask[:, None] & r_in[None, :], other=0.0)
+        for m0 in range(start, end, BLOCK_M):
+            rows = (m0 + offs_m).to(tl.int64)
+            row_mask = rows < end
+            y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
+            y_mask = row_mask[:, None] & col_mask[None, :]
+            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            # This slice's shrink for these rows, over the whole hidden size.
+            x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
+            h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    xv = tl.load(x_ptrs + k0, mask=row_mask[:, None], other=0.0)
+                    av = tl.load(a_ptrs + k0, mask=r_in[:, None], other=0.0)
+                else:
+                    k_in = (k0 + offs_k) < K
+                    xv = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_in[None, :], other=0.0)
+                    av = tl.load(a_ptrs + k0, mask=r_in[:, None] & k_in[None, :], other=0.0)
+                h = _product(xv, av, h, PRECISION)
+            # h rounds to the input dtype, as the two-kernel path stores it.
+            acc = _product(h.to(bv.dtype), bv, tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32),
+                           PRECISION)
+            out = yv.to(tl.float32) + scale * acc
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def triton_apply(
@@ -478,35 +408,24 @@ def triton_apply(
     if num_segments == 0:
         return
 
-    block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
-    k_per_split = max(min(t.k_per_split, hidden), cdiv(hidden, MAX_FUSED_SPLITS))
-    k_per_split = cdiv(k_per_split, block_k) * block_k
-    split_k = cdiv(hidden, k_per_split)
-    num_cb = cdiv(num_cols, block_n)
     widths = [hi - lo for lo, hi in zip(out_offsets, out_offsets[1:], strict=False)]
     block_o = min(t.block_o, _pow2_at_least_16(max(widths)))
-    block_r = min(t.block_r, _pow2_at_least_16(max_rank))
     offsets = list(out_offsets[1:]) + [width] * (MAX_SLICES - num_slices)
     first_blocks = [0]
     for w in widths:
         first_blocks.append(first_blocks[-1] + cdiv(w, block_o))
     num_nb = first_blocks[-1]
     first_blocks += [num_nb] * (MAX_SLICES + 1 - len(first_blocks))
-    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
-    part = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
-    locks = _locks(x.device, bound_tiles)
     num_slots = batch.slot_ranks.shape[0]
-    args = (
-        x, a, b, y, part, locks,
+    # (column block, segment): static shapes only, so the launch can be graph-captured; a
+    # padding segment (length 0) or a rank-0 slot exits after its metadata.
+    _sgmv_fused_kernel[(num_nb, num_segments)](
+        x, a, b, y,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
-        num_segments, num_slots, num_tokens, hidden,
+        num_slots, hidden,
         x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0),
-    )
-    kwargs = dict(
         MAX_RANK=max_rank,
-        NUM_COLS=num_cols,
-        NUM_CB=num_cb,
         O_1=offsets[0],
         O_2=offsets[1],
         O_3=offsets[2],
@@ -514,58 +433,16 @@ def triton_apply(
         NB_1=first_blocks[1],
         NB_2=first_blocks[2],
         NB_3=first_blocks[3],
-        NUM_NB=num_nb,
-        BLOCK_S=_pow2_at_least_16(num_segments),
         BLOCK_SLOTS=_pow2_at_least_16(num_slots),
         BLOCK_M=t.block_m,
-        BLOCK_N=block_n,
         BLOCK_K=block_k,
-        K_PER_SPLIT=k_per_split,
-        SPLIT_K=split_k,
-        EVEN_K=hidden % block_k == 0,
         BLOCK_O=block_o,
-        BLOCK_R=block_r,
-        NUM_RB=cdiv(max_rank, block_r),
+        BLOCK_R=_pow2_at_least_16(max_rank),
+        EVEN_K=hidden % block_k == 0,
         PRECISION=_precision(x.dtype),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
-    grid = _fused_grid(t, bound_tiles * (num_cb * split_k + num_nb), x.device, args, kwargs)
-    _sgmv_fused_kernel[(grid,)](*args, **kwargs)
-
-
-def _fused_grid(t: FusedTiling, bound_items: int, device: torch.device, args, kwargs) -> int:
-    """Expand items wait for their tile's shrink items, which other programs of the same launch
-    run, so every program must be resident at once: the grid is at most what the SMs hold
-    together, read off the compiled kernel's registers and shared memory. Each program runs all
-    its shrink items before its first wait, so resident programs always make progress. Triton's
-    interpreter runs programs one after another, so there the grid is a single program."""
-    if device.type != "cuda":
-        return 1
-    per_sm = min(t.programs_per_sm, _resident_per_sm(device, t.num_warps, args, kwargs))
-    return max(1, min(bound_items, _num_sms(device) * per_sm))
-
-
-_resident: dict[tuple, int] = {}
-
-
-def _resident_per_sm(device: torch.device, num_warps: int, args, kwargs) -> int:
-    key = (device, tuple(sorted(kwargs.items())),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args))
-    if key not in _resident:
-        compiled = _sgmv_fused_kernel.warmup(*args, grid=(1,), **kwargs)
-        compiled._init_handles()  # loads the binary; fills in its register count
-        props = torch.cuda.get_device_properties(device)
-        regs = getattr(props, "regs_per_multiprocessor", 65536)
-        smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) - 1024
-        threads = 32 * num_warps
-        n_regs = getattr(compiled, "n_regs", 0) or 255  # unknown: assume the most
-        by_regs = regs // (n_regs * threads)
-        by_smem = smem // max(compiled.metadata.shared, 1)
-        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
-        _resident[key] = min(by_regs, by_smem, by_threads)
-        assert _resident[key] >= 1, "the fused SGMV kernel does not fit on one SM"
-    return _resident[key]
 
 
 def triton_shrink(
@@ -695,10 +572,6 @@ def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> Non
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, next_pow2(n))
-
-
-def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, next_pow2(n))
 
 
 def _precision(dtype: torch.dtype) -> str:

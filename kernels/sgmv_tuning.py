@@ -9,9 +9,9 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
 - Few tokens (decode): memory-bound on the adapter weights, and too few (segment, column block)
   pairs to fill 132 SMs, so the shrink cuts the hidden dimension into `k_per_split` pieces
   (split-K, reduced in a fixed order) and the expand uses narrow column blocks.
-- Few tokens: one fused launch per group (`FUSED_TABLE`) instead of a shrink and an expand: the
-  split-K partials go straight to the expand items of the same launch, which sum them in split
-  order, so there is no reduce step and half the launches. Past the table's last bound (None) a
+- Few tokens: one fused launch per group (`FUSED_TABLE`) instead of a shrink and an expand:
+  each (output column block, segment) program recomputes its slice's shrink, so programs never
+  wait on one another and there is no split-K reduction. Past the table's last bound (None) a
   step uses the two kernels below.
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
@@ -45,15 +45,11 @@ class ExpandTiling:
 
 @dataclass(frozen=True)
 class FusedTiling:
-    block_m: int  # tokens per tile, shared by the shrink and expand items
-    block_n: int  # shrink: columns (over the n*R fused slices) per item
-    block_k: int  # shrink: hidden-dimension step
-    k_per_split: int  # shrink: hidden elements per split-K piece
-    block_o: int  # expand: output columns per item
-    block_r: int  # expand: rank step
+    block_m: int  # tokens per row tile of a segment (< 16: matrix-vector products, no padding)
+    block_k: int  # hidden-dimension step of the recomputed shrink
+    block_o: int  # output columns per program
     num_warps: int
     num_stages: int
-    programs_per_sm: int  # all programs must be resident at once: see the launcher
 
 
 NO_SPLIT = 1 << 30
@@ -74,10 +70,10 @@ EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 )
 
 
-# (max tokens, fused tiling or None for the two-kernel path), first match wins. Off for now: on
-# the H100 (2026-11-23) the one-launch path measured slower at every decode target than the two
-# kernels (B=1 50 vs 29 µs, B=D=64 r16 193 vs 162 µs) with the tilings in
-# benchmarks/notes_sgmv.md; `bench_sgmv --sweep-fused` times candidates before a row goes on.
+# (max tokens, fused tiling or None for the two-kernel path), first match wins. Off until the
+# H100 sweep (`bench_sgmv --sweep-fused`) shows a row that beats the two kernels. An earlier fused
+# design, whose expand items waited on the same launch's split-K shrink items, measured slower
+# everywhere (B=1 50 vs 29 µs per layer; benchmarks/notes_sgmv.md) and was replaced by this one.
 FUSED_TABLE: tuple[tuple[int | None, FusedTiling | None], ...] = ((None, None),)
 
 
