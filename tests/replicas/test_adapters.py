@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from replicas.adapters.host_cache import HostCache
 from replicas.adapters.loader import AdapterError, load_adapter, read_adapter_config
@@ -66,6 +67,34 @@ class TestValidation:
         spec = ModelSpec.from_dir(models["llama"])
         with pytest.raises(AdapterError, match="unreadable"):
             load_adapter("t", path, spec, 16)
+
+    def test_unaligned_tensor_data_reads_the_same(self, models, good_adapter, tmp_path):
+        """safetensors does not promise aligned data: a header one byte longer shifts every
+        tensor to an odd offset, and the weights must still come out the same."""
+        path = broken_copy(good_adapter, tmp_path, "unaligned")
+        weights = path / "adapter_model.safetensors"
+        data = weights.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        weights.write_bytes((n + 1).to_bytes(8, "little") + data[8 : 8 + n] + b" " + data[8 + n :])
+        spec = ModelSpec.from_dir(models["llama"])
+        want = load_adapter("g", good_adapter, spec, 16).modules
+        got = load_adapter("u", path, spec, 16).modules
+        assert got.keys() == want.keys()
+        for key, (a, b) in want.items():
+            assert torch.equal(got[key][0], a) and torch.equal(got[key][1], b)
+
+    def test_non_float_tensor_is_refused(self, models, good_adapter, tmp_path):
+        path = broken_copy(good_adapter, tmp_path, "ints")
+        weights = path / "adapter_model.safetensors"
+        data = weights.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        key = next(k for k in header if k != "__metadata__")
+        header[key]["dtype"] = {"F32": "I32", "BF16": "I16", "F16": "I16"}[header[key]["dtype"]]
+        text = json.dumps(header).encode()
+        weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
+        with pytest.raises(AdapterError, match="not floating point"):
+            load_adapter("i", path, ModelSpec.from_dir(models["llama"]), 16)
 
     def test_shapes_checked_against_the_model(self, models, good_adapter):
         with pytest.raises(AdapterError, match="the model needs A"):
