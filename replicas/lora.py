@@ -96,6 +96,8 @@ class LoraWeightPool:
         max rank and the slot layout wastes little (untargeted projections are zeros in it), the
         weights are packed into one buffer per layer in the slot's layout; a write is then one
         copy per layer, near the full host->device bandwidth, instead of two per module."""
+        if weights.layers is not None:
+            return weights
         if weights.modules and all(a.dtype == self.dtype for a, _ in weights.modules.values()):
             parts = {key: (a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
                      for key, (a, b) in weights.modules.items()}
@@ -158,8 +160,7 @@ class LoraWeightPool:
             buf = torch.empty(self.slot_elems * elem, dtype=torch.uint8, pin_memory=pin)
             torch.cat(order[layer * per_layer : (layer + 1) * per_layer], out=buf)
             layers.append(buf)
-        layers = tuple(layers)
-        return AdapterWeights(name, rank, scaling, {}, layers)
+        return AdapterWeights(name, rank, scaling, {}, tuple(layers))
 
     def write(
         self, slot: int, weights: AdapterWeights, stream: torch.cuda.Stream | None = None

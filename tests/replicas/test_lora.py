@@ -129,6 +129,7 @@ class TestPackedWrites:
         pool, weights = self._pool_and_weights(models, tmp_path, 8, ALL)
         packed = pool.pack(weights)
         assert packed.layers is not None and len(packed.layers) == pool.spec.num_layers
+        assert pool.pack(packed) is packed  # packing twice changes nothing
         _, small = self._pool_and_weights(models, tmp_path, 4, ["q_proj", "down_proj"])
         for layer in pool.layers:  # poison: every value left in the slot must come from a write
             layer.fill_(float("nan"))
