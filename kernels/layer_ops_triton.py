@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import next_pow2
+from kernels.launch import cdiv, next_pow2
 from kernels.layer_ops import BACKENDS, LayerOps
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -156,7 +156,7 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(n, inter)
     block = min(SILU_BLOCK, next_pow2(inter))
     if n:
-        _silu_and_mul_kernel[(n, -(-inter // block))](
+        _silu_and_mul_kernel[(n, cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block
         )
     return out

@@ -122,6 +122,25 @@ def _product(u, v, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [M, N] + x[rows, k_lo:k_hi] @ A[cols, k_lo:k_hi]^T, in float32. `x_ptrs` [M, BLOCK_K]
+    and `a_ptrs` [N, BLOCK_K] point at hidden index 0; rows/columns outside the masks load
+    nothing."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptrs + k0, mask=row_mask[:, None], other=0.0)
+            av = tl.load(a_ptrs + k0, mask=a_mask[:, None], other=0.0)
+        else:
+            k_in = (k0 + offs_k) < K
+            xv = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_in[None, :], other=0.0)
+            av = tl.load(a_ptrs + k0, mask=a_mask[:, None] & k_in[None, :], other=0.0)
+        acc = _product(xv, av, acc, PRECISION)
+    return acc
+
+
+@triton.jit
 def _sgmv_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [num_slots, NUM_COLS, K]
@@ -181,16 +200,9 @@ def _sgmv_shrink_kernel(
             k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
             x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
             a_ptrs = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_k[None, :]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                if EVEN_K:
-                    xv = tl.load(x_ptrs + k0, mask=row_mask[:, None], other=0.0)
-                    av = tl.load(a_ptrs + k0, mask=col_live[:, None], other=0.0)
-                else:
-                    k_in = (k0 + offs_k) < K
-                    xv = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_in[None, :], other=0.0)
-                    av = tl.load(a_ptrs + k0, mask=col_live[:, None] & k_in[None, :], other=0.0)
-                acc = _product(xv, av, acc, PRECISION)
+            acc = _shrink_acc(x_ptrs, a_ptrs, row_mask, col_live,
+                              tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), k_lo, k_hi, K,
+                              BLOCK_K, EVEN_K, PRECISION)
 
             if SPLIT_K == 1:
                 tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
@@ -356,16 +368,9 @@ def _sgmv_fused_kernel(
             yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
             # This slice's shrink for these rows, over the whole hidden size.
             x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
-            h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    xv = tl.load(x_ptrs + k0, mask=row_mask[:, None], other=0.0)
-                    av = tl.load(a_ptrs + k0, mask=r_in[:, None], other=0.0)
-                else:
-                    k_in = (k0 + offs_k) < K
-                    xv = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_in[None, :], other=0.0)
-                    av = tl.load(a_ptrs + k0, mask=r_in[:, None] & k_in[None, :], other=0.0)
-                h = _product(xv, av, h, PRECISION)
+            h = _shrink_acc(x_ptrs, a_ptrs, row_mask, r_in,
+                            tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), 0, K, K,
+                            BLOCK_K, EVEN_K, PRECISION)
             # h rounds to the input dtype, as the two-kernel path stores it.
             acc = _product(h.to(bv.dtype), bv, tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32),
                            PRECISION)
@@ -409,14 +414,7 @@ def triton_apply(
         return
 
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
-    widths = [hi - lo for lo, hi in zip(out_offsets, out_offsets[1:], strict=False)]
-    block_o = min(t.block_o, _pow2_at_least_16(max(widths)))
-    offsets = list(out_offsets[1:]) + [width] * (MAX_SLICES - num_slices)
-    first_blocks = [0]
-    for w in widths:
-        first_blocks.append(first_blocks[-1] + cdiv(w, block_o))
-    num_nb = first_blocks[-1]
-    first_blocks += [num_nb] * (MAX_SLICES + 1 - len(first_blocks))
+    block_o, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_o)
     num_slots = batch.slot_ranks.shape[0]
     # (column block, segment): static shapes only, so the launch can be graph-captured; a
     # padding segment (length 0) or a rank-0 slot exits after its metadata.
@@ -426,13 +424,7 @@ def triton_apply(
         num_slots, hidden,
         x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0),
         MAX_RANK=max_rank,
-        O_1=offsets[0],
-        O_2=offsets[1],
-        O_3=offsets[2],
-        O_4=offsets[3],
-        NB_1=first_blocks[1],
-        NB_2=first_blocks[2],
-        NB_3=first_blocks[3],
+        **slice_consts,
         BLOCK_SLOTS=_pow2_at_least_16(num_slots),
         BLOCK_M=t.block_m,
         BLOCK_K=block_k,
@@ -522,15 +514,8 @@ def triton_expand(
         return
 
     t = pick(EXPAND_TABLE, num_tokens)
-    widths = [hi - lo for lo, hi in zip(out_offsets, out_offsets[1:], strict=False)]
-    block_n = min(t.block_n, _pow2_at_least_16(max(widths)))
+    block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
-    offsets = list(out_offsets[1:]) + [width] * (MAX_SLICES - num_slices)
-    first_blocks = [0]
-    for w in widths:
-        first_blocks.append(first_blocks[-1] + cdiv(w, block_n))
-    num_nb = first_blocks[-1]
-    first_blocks += [num_nb] * (MAX_SLICES + 1 - len(first_blocks))
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     grid = (min(bound_tiles * num_nb, _num_sms(y.device) * t.programs_per_sm),)
     num_slots = batch.slot_ranks.shape[0]
@@ -540,13 +525,7 @@ def triton_expand(
         num_segments, num_slots,
         h.stride(0), b.stride(0), b.stride(1), y.stride(0),
         MAX_RANK=max_rank,
-        O_1=offsets[0],
-        O_2=offsets[1],
-        O_3=offsets[2],
-        O_4=offsets[3],
-        NB_1=first_blocks[1],
-        NB_2=first_blocks[2],
-        NB_3=first_blocks[3],
+        **slice_consts,
         NUM_NB=num_nb,
         BLOCK_S=_pow2_at_least_16(num_segments),
         BLOCK_SLOTS=_pow2_at_least_16(num_slots),
@@ -558,6 +537,23 @@ def triton_expand(
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
+
+
+def _slice_blocks(out_offsets: tuple[int, ...], block_cap: int) -> tuple[int, int, dict]:
+    """Output column blocks over a group's fused slices, as `_slice_columns` reads them: the
+    block width (at most `block_cap`), the number of blocks and the kernels' O_i / NB_i
+    constants (slices past the group's count are empty)."""
+    widths = [hi - lo for lo, hi in zip(out_offsets, out_offsets[1:], strict=False)]
+    block = min(block_cap, _pow2_at_least_16(max(widths)))
+    offsets = list(out_offsets[1:]) + [out_offsets[-1]] * (MAX_SLICES - len(widths))
+    first_blocks = [0]
+    for w in widths:
+        first_blocks.append(first_blocks[-1] + cdiv(w, block))
+    num_nb = first_blocks[-1]
+    first_blocks += [num_nb] * (MAX_SLICES + 1 - len(first_blocks))
+    consts = {f"O_{i + 1}": offsets[i] for i in range(MAX_SLICES)}
+    consts.update({f"NB_{i}": first_blocks[i] for i in range(1, MAX_SLICES)})
+    return block, num_nb, consts
 
 
 def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> None:
