@@ -82,6 +82,10 @@ class LoraWeightPool:
                            for g, (_, _, b_off, b_shape) in self.regions.items()})
         self._layer_bytes = [buf.view(torch.uint8) for buf in self.layers]  # for packed writes
         self._slot_bytes = self._layer_bytes[0].shape[1]
+        # The bytes of the largest A or B region: `_pack` slices its zero fillers from these.
+        largest = max(n * m for _, a_shape, _, b_shape in self.regions.values()
+                      for n, m in (a_shape, b_shape))
+        self._zero_bytes = torch.zeros(largest * self.layers[0].element_size(), dtype=torch.uint8)
         self.ranks_host = [0] * num_slots
         self.scalings_host = [0.0] * num_slots
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
@@ -134,9 +138,7 @@ class LoraWeightPool:
         given = sum(a.numel() + b.numel() for a, b in parts.values())
         if any(r != self.max_rank for r in ranks) or packed_bytes > PACK_OVERHEAD * given:
             return None
-        largest = max(a_shape[0] * a_shape[1] for _, a_shape, _, _ in self.regions.values())
-        largest = max(largest, *(b_shape[0] * b_shape[1] for *_, b_shape in self.regions.values()))
-        zeros = torch.zeros(largest * elem, dtype=torch.uint8)
+        zeros = self._zero_bytes
         R = self.max_rank
         order = []
         for layer in range(self.spec.num_layers):
