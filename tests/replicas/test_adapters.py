@@ -83,6 +83,26 @@ class TestValidation:
         for key, (a, b) in want.items():
             assert torch.equal(got[key][0], a) and torch.equal(got[key][1], b)
 
+    @pytest.mark.parametrize("damage", ["shape", "offsets", "entry"])
+    def test_inconsistent_header_is_unreadable(self, models, good_adapter, tmp_path, damage):
+        path = broken_copy(good_adapter, tmp_path, f"header-{damage}")
+        weights = path / "adapter_model.safetensors"
+        data = weights.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        key = next(k for k in header if k != "__metadata__")
+        if damage == "shape":  # more elements than its bytes hold
+            header[key]["shape"] = [header[key]["shape"][0] + 1, header[key]["shape"][1]]
+        elif damage == "offsets":  # past the end of the file
+            begin, end = header[key]["data_offsets"]
+            header[key]["data_offsets"] = [begin, end + len(data)]
+        else:
+            del header[key]["data_offsets"]
+        text = json.dumps(header).encode()
+        weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
+        with pytest.raises(AdapterError, match="unreadable"):
+            load_adapter("h", path, ModelSpec.from_dir(models["llama"]), 16)
+
     def test_non_float_tensor_is_refused(self, models, good_adapter, tmp_path):
         path = broken_copy(good_adapter, tmp_path, "ints")
         weights = path / "adapter_model.safetensors"
