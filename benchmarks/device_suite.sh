@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in stages, for one call on a GPU machine:
 #
-#   bash benchmarks/device_suite.sh tests decode sgmv-quick     # a few minutes
-#   bash benchmarks/device_suite.sh sgmv-sweep sgmv-fused        # tuning candidates (prints)
-#   bash benchmarks/device_suite.sh churn16 churn128             # the churn matrix, in two calls:
-#   bash benchmarks/device_suite.sh churn-large seeds            #   each stage takes minutes
+#   bash benchmarks/device_suite.sh tests sgmv-quick decode     # GPU tests, then quick figures
+#   bash benchmarks/device_suite.sh kernel-tests                 # tests/kernels compiled (slow)
+#   bash benchmarks/device_suite.sh sgmv-sweep                   # tuning candidates (prints)
+#   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
+#   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
+#   bash benchmarks/device_suite.sh churn128 seeds
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #
-# Stage lengths seen on an H100: tests ~120 s, decode 72 s, sgmv-quick 32 s, churn128 132 s;
-# churn16 and churn-large build an all-resident engine too (~75 s of compiling for its slot count).
+# Stage lengths seen on an H100: decode 72 s, sgmv-quick 35 s, churn16 349 s (48 requests a
+# cell), churn-large ~330 s (40 a cell; 115 s of it builds the first engine, 111 s the
+# all-resident one), churn128 132 s (40 a cell). `tests` once ran past 240 s: the float32 engine
+# test sat in an SGMV launch of its warm-up for over 140 s (float32 tiles are capped since).
 #
 # Where Ray is not installed, put it on the path first (e.g. a prepared site-packages bundle);
 # every stage but `router` needs only torch, triton, transformers, peft and safetensors.
@@ -39,22 +43,23 @@ churn() {  # churn NAME LIMIT_S ARGS...
 
 for s in "$@"; do
     case "$s" in
-        tests) stage tests 240 python -m pytest -q -x tests/gpu tests/kernels ;;
+        tests) stage tests 240 python -m pytest -v -x --durations=0 -o faulthandler_timeout=100 \
+            tests/gpu ;;
+        kernel-tests) stage kernel-tests 300 python -m pytest -q -x tests/kernels ;;
         decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
         sgmv-quick) stage sgmv-quick 150 python -m benchmarks.bench_sgmv --quick --out "$OUT" ;;
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
         sgmv-sweep) stage sgmv-sweep 420 python -m benchmarks.bench_sgmv --sweep ;;
-        sgmv-fused) stage sgmv-fused 300 python -m benchmarks.bench_sgmv --sweep-fused ;;
         churn16)
-            churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 40 \
+            churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 48 \
                 --popularity distinct,uniform,skewed --resident ;;
         churn-large)  # 0.67 GB adapters: copies of ~13 ms, where loading dominates
-            churn churn-large 560 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
-                --num-requests 40 --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
+            churn churn-large 480 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
+                --num-requests 80 --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
                 --popularity distinct,uniform --resident ;;
         churn128)  # a host cache of 32: disk reads join the churn
-            churn churn128 240 --num-adapters 128 --rank 16 --slots 8 --host-cache 32 --rate 4 \
-                --num-requests 40 --popularity uniform,skewed ;;
+            churn churn128 300 --num-adapters 128 --rank 16 --slots 8 --host-cache 32 --rate 4 \
+                --num-requests 80 --popularity uniform,skewed ;;
         seeds)
             churn seeds 200 --num-adapters 1 --rank 16 --slots 1 --rate 8 --num-requests 480 \
                 --input-len 200:1000 --output-len 100:400 --popularity distinct --modes prefetch \

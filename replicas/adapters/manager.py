@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,14 +43,27 @@ from replicas.scheduler import AdapterLoadError
 logger = logging.getLogger(__name__)
 
 LOADING_MODES = ("blocking", "overlap", "prefetch")
-# A copy expected to take at most COPY_STEPS recent steps (or SHORT_COPY_S, if longer) never holds
+# A copy expected to land within COPY_STEPS recent steps (or SHORT_COPY_S, if longer) never holds
 # a request back (`copy_settled`): it arrives layer by layer while the step computes, and
 # stretches the step it joins by at most one step's time -- what admitting the request a step
-# later would cost that request anyway.
+# later would cost that request anyway. "Land" counts the copies queued ahead of it: the load
+# stream runs its copies one after another. The same window bounds what the prefetcher queues
+# on the load stream, so a need that shows up later waits behind at most that much.
 SHORT_COPY_S = 0.005
 COPY_STEPS = 2.0
 COPY_BYTES_PER_S = 50e9  # pinned host -> GPU over PCIe 5 (about 55 GB/s measured on an H100)
 HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it was due is dropped
+
+
+@dataclass
+class Copy:
+    """One adapter's host->GPU copy on the load stream: an event per layer, in layer order."""
+
+    events: list  # torch.cuda.Event, recorded on the load stream after each layer's copy
+    nbytes: int
+
+    def landed(self) -> bool:
+        return self.events[-1].query()
 
 
 @dataclass
@@ -94,8 +108,10 @@ class AdapterManager:
         self._reads: dict[str, Future[AdapterWeights]] = {}
         self._read_started: dict[str, float] = {}
         self._failed: dict[str, str] = {}
-        # slot -> the copy in flight into it: per-layer load events and its size in bytes
-        self._pending: dict[int, tuple[list[torch.cuda.Event], int]] = {}
+        # slot -> the copy into it that no step has waited on yet
+        self._pending: dict[int, Copy] = {}
+        # every copy on the load stream not yet seen to land, in stream order
+        self._in_flight: deque[Copy] = deque()
         self.step_time_s = 0.0  # recent model step time, kept by the engine
 
     # -- resolution ---------------------------------------------------------------------------
@@ -191,17 +207,33 @@ class AdapterManager:
         return False
 
     def copy_settled(self, adapter: str) -> bool:
-        """No copy of the adapter in flight, or one short enough to arrive layer by layer while
-        a step computes (expected to take at most COPY_STEPS recent steps, `step_time_s`, or
-        SHORT_COPY_S), or one whose middle layer has landed. Queries an event; never waits."""
+        """No copy of the adapter in flight, or one expected to land (with the copies queued
+        ahead of it) within the copy window, or one whose middle layer has landed. Queries
+        events; never waits."""
         slot = self.slots.slot_of(adapter)
         copy = self._pending.get(slot) if slot is not None else None
         if copy is None:
             return True
-        events, nbytes = copy
-        if nbytes <= max(SHORT_COPY_S, COPY_STEPS * self.step_time_s) * COPY_BYTES_PER_S:
+        if self._queued_bytes(through=copy) <= self.copy_window_bytes:
             return True
-        return events[len(events) // 2].query()
+        return copy.events[len(copy.events) // 2].query()
+
+    @property
+    def copy_window_bytes(self) -> float:
+        """What the load stream moves in COPY_STEPS recent steps (at least SHORT_COPY_S)."""
+        return max(SHORT_COPY_S, COPY_STEPS * self.step_time_s) * COPY_BYTES_PER_S
+
+    def _queued_bytes(self, through: Copy | None = None) -> int:
+        """Bytes on the load stream up to and including `through` (all of them if None; 0 if
+        it has landed), counting whole copies not yet seen to land. Forgets landed copies."""
+        while self._in_flight and self._in_flight[0].landed():
+            self._in_flight.popleft()
+        total = 0
+        for copy in self._in_flight:
+            total += copy.nbytes
+            if copy is through:
+                return total
+        return 0 if through is not None else total
 
     def acquire(self, adapter: str) -> int | None:
         if adapter in self.slots:
@@ -251,6 +283,9 @@ class AdapterManager:
         )
         loadable = self.host.__contains__
         for load in self.queue.plan(view, max_loads=self.slots.num_slots, loadable=loadable):
+            queued = self._queued_bytes()
+            if queued and queued + self.host.peek(load.adapter).nbytes > self.copy_window_bytes:
+                break  # the load stream is full for now; a need seen later must not queue behind
             if load.evict is not None:
                 self.slots.remove(load.evict)
             weights = self.host.get(load.adapter)
@@ -264,7 +299,7 @@ class AdapterManager:
         """Per layer, the load events the forward pass must wait on before using these slots.
         Returned once: after this step's forward has waited on them, later work on the compute
         stream is ordered after the copies."""
-        pending = [self._pending.pop(s)[0] for s in slots if s in self._pending]
+        pending = [self._pending.pop(s).events for s in slots if s in self._pending]
         if not pending:
             return None
         return [list(layer) for layer in zip(*pending, strict=True)]
@@ -281,7 +316,9 @@ class AdapterManager:
         stream = self._stream if self.mode != "blocking" else None
         events = self.weights.write(slot, weights, stream)
         if events:
-            self._pending[slot] = (events, weights.nbytes)
+            copy = Copy(events, weights.nbytes)
+            self._pending[slot] = copy
+            self._in_flight.append(copy)
         self.stats.gpu_loads += 1
 
     def _read(self, adapter: str, path: Path) -> AdapterWeights:
@@ -338,7 +375,7 @@ class AdapterManager:
             weights = self.host.peek(name)
             if slot is not None:
                 copy = self._pending.get(slot)
-                tier = "loading" if copy is not None and not copy[0][-1].query() else "gpu"
+                tier = "loading" if copy is not None and not copy.landed() else "gpu"
             elif name in self._reads:
                 tier = "loading"
             else:

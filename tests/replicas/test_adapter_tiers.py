@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from replicas.adapters import manager as manager_mod
 from replicas.engine import RequestRejected
 from replicas.lora import LORA_GROUPS
 from replicas.request import Request
@@ -219,3 +220,91 @@ def test_cold_adapters_arriving_together_prefill_in_one_step(models, fleet):
     first = engine.step()
     assert sorted(o.request_id for o in first if o.new_token_ids) == ["ad1", "ad2", "ad3"]
     assert engine.max_adapters_in_step == 3
+
+
+class FakeEvent:
+    """A load-stream event whose completion the test decides."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def record_copies(engine, monkeypatch) -> list[list[FakeEvent]]:
+    """Slot writes still happen (on CPU, at once) but report per-layer events that stay pending
+    until the test lands them, as copies on a GPU load stream would."""
+    copies = []
+    pool = engine.runner.lora_pool
+    write = pool.write
+
+    def write_with_events(slot, weights, stream=None):
+        write(slot, weights, None)
+        copies.append([FakeEvent() for _ in range(engine.spec.num_layers)])
+        return copies[-1]
+
+    monkeypatch.setattr(pool, "write", write_with_events)
+    monkeypatch.setattr(engine.adapters, "mode", "prefetch")  # uploads take the load stream path
+    monkeypatch.setattr(manager_mod, "SHORT_COPY_S", 0.0)  # the window follows step_time_s alone
+    return copies
+
+
+def land(events) -> None:
+    for e in events:
+        e.done = True
+
+
+def test_copy_settled_counts_the_copies_queued_ahead(models, fleet, monkeypatch):
+    engine = fleet_engine(models, fleet, max_loras_per_batch=3)
+    manager = engine.adapters
+    copies = record_copies(engine, monkeypatch)
+    for name in ("ad1", "ad2"):
+        while not manager.prepare(name):
+            time.sleep(0.005)
+    size = {n: manager.host.peek(n).nbytes for n in ("ad1", "ad2")}
+    manager.acquire("ad1")
+    manager.acquire("ad2")
+    assert len(copies) == 2
+    # Each copy alone fits the window; the second behind the first does not.
+    manager.step_time_s = max(size.values()) * 1.01 / (manager_mod.COPY_STEPS
+                                                      * manager_mod.COPY_BYTES_PER_S)
+    assert max(size.values()) <= manager.copy_window_bytes < sum(size.values())
+    assert manager.copy_settled("ad1")
+    assert not manager.copy_settled("ad2")
+    mid = len(copies[1]) // 2
+    copies[1][mid].done = True  # the second copy's middle layer landed: most of it is there
+    assert manager.copy_settled("ad2")
+    copies[1][mid].done = False
+    land(copies[0])  # nothing ahead of it any more
+    assert manager.copy_settled("ad2")
+    assert manager.status()["ad2"]["tier"] == "loading"
+    land(copies[1])
+    assert manager.status()["ad2"]["tier"] == "gpu"
+
+
+def test_prefetch_queues_no_more_than_the_copy_window(models, fleet, monkeypatch):
+    engine = fleet_engine(models, fleet, max_loras_per_batch=4)
+    manager = engine.adapters
+    copies = record_copies(engine, monkeypatch)
+    names = ["ad1", "ad2", "ad3"]
+    for name in names:
+        while not manager.prepare(name):
+            time.sleep(0.005)
+    size = [manager.host.peek(n).nbytes for n in names]
+    # Room for any one copy, never for two in a row.
+    window = min(size[0] + size[1], size[1] + size[2]) - 1
+    assert window >= max(size)
+    manager.step_time_s = window / (manager_mod.COPY_STEPS * manager_mod.COPY_BYTES_PER_S)
+    now = time.monotonic()
+    waiting = [(name, now + i) for i, name in enumerate(names)]
+    manager.tick(waiting, now)
+    assert manager.stats.prefetch_loads == 1 and manager.is_resident("ad1")
+    manager.tick(waiting[1:], now)
+    assert manager.stats.prefetch_loads == 1, "a second copy queued behind an unlanded one"
+    land(copies[0])
+    manager.tick(waiting[1:], now)
+    assert manager.stats.prefetch_loads == 2 and manager.is_resident("ad2")
+    assert not manager.is_resident("ad3")
+    # Admission is not bound by the window: a request admitted now loads its adapter at once.
+    assert manager.acquire("ad3") is not None and len(copies) == 3
