@@ -2,6 +2,7 @@
 # GPU checks and benchmarks in stages, for one call on a GPU machine:
 #
 #   bash benchmarks/device_suite.sh tests sgmv-quick decode     # GPU tests, then quick figures
+#   bash benchmarks/device_suite.sh prefill                      # prefill step + per-op profile
 #   bash benchmarks/device_suite.sh kernel-tests                 # tests/kernels compiled (slow)
 #   bash benchmarks/device_suite.sh sgmv-sweep                   # tuning candidates (prints)
 #   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
@@ -47,6 +48,7 @@ for s in "$@"; do
             tests/gpu ;;
         kernel-tests) stage kernel-tests 300 python -m pytest -q -x tests/kernels ;;
         decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
+        prefill) stage prefill 240 python -m benchmarks.bench_prefill_step --profile --out "$OUT" ;;
         sgmv-quick) stage sgmv-quick 150 python -m benchmarks.bench_sgmv --quick --out "$OUT" ;;
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
         sgmv-sweep) stage sgmv-sweep 420 python -m benchmarks.bench_sgmv --sweep ;;
