@@ -87,16 +87,10 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--profile", action="store_true",
                     help="also write the per-kernel GPU time of one eager step (profile.txt)")
-    ap.add_argument("--two-kernels", action="store_true",
-                    help="a shrink and an expand per group at every token count (no fused launch)")
     ap.add_argument("--layer-ops", default="triton", choices=["triton", "torch"],
                     help="norms, activation and rotary: fused Triton kernels or torch ops")
     ap.add_argument("--triton-only", action="store_true", help="skip the torch-attention rows")
     args = ap.parse_args()
-    if args.two_kernels:
-        from kernels import sgmv_triton
-
-        sgmv_triton.FUSED_TABLE = ((None, None),)
     spec, B, ctx, bs = LLAMA3_8B, args.batch, args.context, 16
     torch.manual_seed(0)
     model = random_model(

@@ -285,49 +285,6 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
 ]
 
 
-# (block_m, block_k, block_o, warps, stages)
-FUSED_CANDIDATES = [
-    (1, 256, 128, 4, 2),
-    (1, 512, 128, 4, 2),
-    (1, 256, 256, 4, 3),
-    (1, 512, 256, 8, 2),
-    (1, 1024, 64, 4, 2),
-    (2, 256, 128, 4, 2),
-    (4, 256, 128, 4, 2),
-    (8, 256, 128, 4, 2),
-    (16, 128, 128, 4, 3),
-    (16, 256, 256, 8, 2),
-]
-
-
-def sweep_fused(args: argparse.Namespace) -> None:
-    """Whole-layer time of the fused kernel over candidate tilings for the decode QUICK cases."""
-    from kernels import sgmv_triton
-    from kernels.sgmv_tuning import FusedTiling
-
-    device = torch.device("cuda")
-    for case in QUICK[:5]:
-        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
-                         device)
-        floor = minimal_bytes(case, LLAMA3_8B) / args.bw * 1e6
-        print(f"== tokens {case.num_tokens} adapters {case.num_adapters} ranks {case.rank_label}"
-              f" floor {floor:.1f} us", flush=True)
-        for c in FUSED_CANDIDATES:
-            t = FusedTiling(*c[:3], num_warps=c[3], num_stages=c[4])
-            sgmv_triton.FUSED_TABLE = ((None, t),)
-            try:
-                us = graph_us_per_layer(p, sgmv_layer)
-                print(f"fused {c} {us:.2f}", flush=True)
-            except Exception as err:  # a candidate that does not compile or fit
-                print(f"fused {c} failed: {err!r:.200}", flush=True)
-        sgmv_triton.FUSED_TABLE = ((None, None),)
-        print(f"two kernels {graph_us_per_layer(p, sgmv_layer):.2f}", flush=True)
-        from kernels.sgmv_tuning import FUSED_TABLE
-        sgmv_triton.FUSED_TABLE = FUSED_TABLE
-        del p
-        torch.cuda.empty_cache()
-
-
 def sweep(args: argparse.Namespace) -> None:
     """Time shrink alone and expand alone (all four groups of a layer) over candidate tilings,
     the current table row first, at B = D = 64 and B = 1, plus a graph of empty kernels (the
@@ -399,14 +356,10 @@ def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import hbm_bandwidth, write_results
 
     torch.manual_seed(0)
-    bw = hbm_bandwidth()
-    if args.sweep_fused:
-        args.bw = bw
-        sweep_fused(args)
-        return
     if args.sweep:
         sweep(args)
         return
+    bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = [measure(case, bw, args) for case in (QUICK if args.quick else cases(args.only))]
     path = write_results(
@@ -462,10 +415,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
     ap.add_argument("--breakdown", action="store_true", help="also time each group alone")
     ap.add_argument("--sweep", action="store_true", help="time candidate tilings; writes nothing")
-    ap.add_argument("--sweep-fused", action="store_true",
-                    help="time candidate fused tilings on the decode targets; writes nothing")
-    ap.add_argument("--two-kernels", action="store_true",
-                    help="a shrink and an expand per group at every token count (no fused launch)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
     ap.add_argument("--out", default=None,
@@ -478,10 +427,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU; use --smoke to check the plumbing on CPU")
     args.out = args.out or "benchmarks/results"
-    if args.two_kernels:
-        from kernels import sgmv_triton
-
-        sgmv_triton.FUSED_TABLE = ((None, None),)
     run_gpu(args)
 
 

@@ -23,14 +23,6 @@ is (tile, column block); column blocks never cross a slice boundary, so slices o
 widths (GQA q/k/v) are one launch. The rank loop stops at the slot's true rank. Each y element is
 read, updated and written by exactly one program: deterministic, no atomics.
 
-Fused (`triton_apply`, token counts that `FUSED_TABLE` covers): one launch per group and no
-waits between programs. A program owns (output column block, segment): it computes its slice's
-shrink for the segment's rows over the whole hidden size (x . A[slot, slice, :rank]^T: every
-column block of a slice recomputes it, from L2 after the first), rounds it to the input dtype as
-the two-kernel path stores h, and updates its y columns. For small batches, where a step is a
-chain of launches and round trips rather than bytes, this halves the launches per group and
-drops the split-K reduction; the price is the repeated shrink, so it is meant for few tokens.
-
 Rows of h for tokens outside every segment are unspecified (never written); the expand never
 reads them and never touches those rows of y. Inputs are float32, float16 or bfloat16;
 accumulation is float32.
@@ -46,7 +38,7 @@ import triton.language as tl
 
 from kernels.launch import cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
-from kernels.sgmv_tuning import EXPAND_TABLE, FUSED_TABLE, SHRINK_TABLE, pick
+from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
 
 MAX_SLICES = 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -114,8 +106,9 @@ def _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_N: tl.constex
 
 @triton.jit
 def _product(u, v, acc, PRECISION: tl.constexpr):
-    """acc [M, N] + u [M, K] @ v [N, K]^T in float32. Tensor cores need M >= 16; a decode tile of
-    one or a few tokens is a matrix-vector product instead, with no rows wasted on padding."""
+    """acc [M, N] + u [M, K] @ v [N, K]^T in float32. Tensor cores need M >= 16; a tiling with
+    smaller token tiles (block_m < 16, one or a few decode tokens) gets matrix-vector products
+    instead, with no rows wasted on padding."""
     if u.shape[0] >= 16:
         return tl.dot(u, tl.trans(v), acc, input_precision=PRECISION)
     return acc + tl.sum(u.to(tl.float32)[:, None, :] * v.to(tl.float32)[None, :, :], axis=2)
@@ -303,81 +296,6 @@ def _sgmv_expand_kernel(
             tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-@triton.jit
-def _sgmv_fused_kernel(
-    x_ptr,  # [T, K]
-    a_ptr,  # [num_slots, NUM_SLICES * MAX_RANK, K]
-    b_ptr,  # [num_slots, O_4, MAX_RANK]
-    y_ptr,  # [T, O_4]
-    seg_indptr_ptr,
-    seg_slots_ptr,
-    slot_ranks_ptr,
-    slot_scalings_ptr,
-    num_slots,
-    K,
-    stride_xt,
-    stride_as,
-    stride_ar,
-    stride_bs,
-    stride_bn,
-    stride_yt,
-    MAX_RANK: tl.constexpr,
-    O_1: tl.constexpr,
-    O_2: tl.constexpr,
-    O_3: tl.constexpr,
-    O_4: tl.constexpr,
-    NB_1: tl.constexpr,
-    NB_2: tl.constexpr,
-    NB_3: tl.constexpr,
-    BLOCK_SLOTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_O: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # >= MAX_RANK: the whole rank in registers
-    EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    nb = tl.program_id(0)  # output column block (over all slices)
-    seg = tl.program_id(1)
-    # Metadata: one round trip (the slot tables do not depend on the segment's loads).
-    start = tl.load(seg_indptr_ptr + seg)
-    end = tl.load(seg_indptr_ptr + seg + 1)
-    slot = tl.load(seg_slots_ptr + seg)
-    slot_ids = tl.arange(0, BLOCK_SLOTS)
-    slot_live = slot_ids < num_slots
-    slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_live, other=0)
-    slot_scales = tl.load(slot_scalings_ptr + slot_ids, mask=slot_live, other=0.0)
-    rank = _slot_value(slot, slot_ids, slot_ranks)
-    if (end > start) & (rank > 0):
-        scale = _slot_value(slot, slot_ids, slot_scales)
-        sl, cols, col_mask = _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_O)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_in = offs_r < rank  # rows of A / columns of B past the slot's rank: never loaded
-        slot64 = slot.to(tl.int64)
-        a_ptrs = (a_ptr + slot64 * stride_as + (sl * MAX_RANK + offs_r)[:, None] * stride_ar
-                  + offs_k[None, :])
-        b_ptrs = b_ptr + slot64 * stride_bs + cols[:, None] * stride_bn + offs_r[None, :]
-        bv = tl.load(b_ptrs, mask=col_mask[:, None] & r_in[None, :], other=0.0)
-        for m0 in range(start, end, BLOCK_M):
-            rows = (m0 + offs_m).to(tl.int64)
-            row_mask = rows < end
-            y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
-            y_mask = row_mask[:, None] & col_mask[None, :]
-            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-            # This slice's shrink for these rows, over the whole hidden size.
-            x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
-            h = _shrink_acc(x_ptrs, a_ptrs, row_mask, r_in,
-                            tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), 0, K, K,
-                            BLOCK_K, EVEN_K, PRECISION)
-            # h rounds to the input dtype, as the two-kernel path stores it.
-            acc = _product(h.to(bv.dtype), bv, tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32),
-                           PRECISION)
-            out = yv.to(tl.float32) + scale * acc
-            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
 def triton_apply(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -387,54 +305,8 @@ def triton_apply(
     out_offsets: tuple[int, ...],
 ) -> None:
     """y += the LoRA delta of one group: x [T, in], a [num_slots, n*R, in], b [num_slots,
-    sum(out_i), R]. One fused launch for the token counts `FUSED_TABLE` covers, else a shrink
-    and an expand."""
-    t = pick(FUSED_TABLE, x.shape[0])
-    if t is None:
-        triton_expand(triton_shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
-        return
-    num_slices = len(out_offsets) - 1
-    num_tokens, hidden = x.shape
-    width = y.shape[1]
-    num_cols, max_rank = a.shape[1], b.shape[2]
-    assert 1 <= num_slices <= MAX_SLICES, f"{num_slices} slices (at most {MAX_SLICES})"
-    assert a.dim() == 3 and a.shape[2] == hidden, f"a {tuple(a.shape)} vs x {tuple(x.shape)}"
-    assert num_cols == num_slices * max_rank and a.shape[0] == b.shape[0]
-    assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[1]
-    assert all(lo < hi for lo, hi in zip(out_offsets, out_offsets[1:], strict=False))
-    assert y.shape[0] == num_tokens
-    assert x.dtype == a.dtype == b.dtype == y.dtype and x.dtype in DTYPES, (
-        f"{x.dtype}/{a.dtype}/{b.dtype}/{y.dtype}"
-    )
-    assert x.stride(1) == 1 and a.stride(2) == 1, "the hidden dimension must be contiguous"
-    assert b.stride(2) == 1 and y.stride(1) == 1, "last dims contiguous"
-    _check_batch(batch, num_tokens, y.device)
-    num_segments = batch.num_segments
-    if num_segments == 0:
-        return
-
-    block_k = min(t.block_k, _pow2_at_least_16(hidden))
-    block_o, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_o)
-    num_slots = batch.slot_ranks.shape[0]
-    # (column block, segment): static shapes only, so the launch can be graph-captured; a
-    # padding segment (length 0) or a rank-0 slot exits after its metadata.
-    _sgmv_fused_kernel[(num_nb, num_segments)](
-        x, a, b, y,
-        batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
-        num_slots, hidden,
-        x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        MAX_RANK=max_rank,
-        **slice_consts,
-        BLOCK_SLOTS=_pow2_at_least_16(num_slots),
-        BLOCK_M=t.block_m,
-        BLOCK_K=block_k,
-        BLOCK_O=block_o,
-        BLOCK_R=_pow2_at_least_16(max_rank),
-        EVEN_K=hidden % block_k == 0,
-        PRECISION=_precision(x.dtype),
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
-    )
+    sum(out_i), R]; a shrink, then an expand."""
+    triton_expand(triton_shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
 
 
 def triton_shrink(
@@ -455,7 +327,7 @@ def triton_shrink(
     if num_segments == 0:
         return h
 
-    t = pick(SHRINK_TABLE, num_tokens)
+    t = pick(SHRINK_TABLE, num_tokens, float32=_unrolled(x))
     block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
     k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
@@ -513,7 +385,7 @@ def triton_expand(
     if num_segments == 0:
         return
 
-    t = pick(EXPAND_TABLE, num_tokens)
+    t = pick(EXPAND_TABLE, num_tokens, float32=_unrolled(y))
     block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
@@ -541,7 +413,7 @@ def triton_expand(
 
 def _slice_blocks(out_offsets: tuple[int, ...], block_cap: int) -> tuple[int, int, dict]:
     """Output column blocks over a group's fused slices, as `_slice_columns` reads them: the
-    block width (at most `block_cap`), the number of blocks and the kernels' O_i / NB_i
+    block width (at most `block_cap`), the number of blocks and the expand kernel's O_i / NB_i
     constants (slices past the group's count are empty)."""
     widths = [hi - lo for lo, hi in zip(out_offsets, out_offsets[1:], strict=False)]
     block = min(block_cap, _pow2_at_least_16(max(widths)))
@@ -568,6 +440,12 @@ def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> Non
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, next_pow2(n))
+
+
+def _unrolled(t: torch.Tensor) -> bool:
+    """Compiled float32: its tiles are capped (`FLOAT32_CAPS`). The interpreter compiles
+    nothing, so CPU tests keep every tiling they ask for."""
+    return t.dtype == torch.float32 and t.is_cuda
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -9,22 +9,18 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
 - Few tokens (decode): memory-bound on the adapter weights, and too few (segment, column block)
   pairs to fill 132 SMs, so the shrink cuts the hidden dimension into `k_per_split` pieces
   (split-K, reduced in a fixed order) and the expand uses narrow column blocks.
-- Few tokens: one fused launch per group (`FUSED_TABLE`) instead of a shrink and an expand:
-  each (output column block, segment) program recomputes its slice's shrink, so programs never
-  wait on one another and there is no split-K reduction. Past the table's last bound (None) a
-  step uses the two kernels below.
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass(frozen=True)
 class ShrinkTiling:
-    block_m: int  # tokens per tile (tl.dot needs >= 16)
+    block_m: int  # tokens per tile (tl.dot needs >= 16; fewer: matrix-vector products)
     block_n: int  # output columns (over the n*R fused slices) per tile
     block_k: int  # hidden-dimension step of the inner loop
     k_per_split: int  # hidden elements per split-K piece (>= the hidden size: no split)
@@ -41,15 +37,6 @@ class ExpandTiling:
     num_warps: int
     num_stages: int
     programs_per_sm: int
-
-
-@dataclass(frozen=True)
-class FusedTiling:
-    block_m: int  # tokens per row tile of a segment (< 16: matrix-vector products, no padding)
-    block_k: int  # hidden-dimension step of the recomputed shrink
-    block_o: int  # output columns per program
-    num_warps: int
-    num_stages: int
 
 
 NO_SPLIT = 1 << 30
@@ -70,16 +57,20 @@ EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 )
 
 
-# (max tokens, fused tiling or None for the two-kernel path), first match wins. Off until the
-# H100 sweep (`bench_sgmv --sweep-fused`) shows a row that beats the two kernels. An earlier fused
-# design, whose expand items waited on the same launch's split-K shrink items, measured slower
-# everywhere (B=1 50 vs 29 µs per layer; benchmarks/notes_sgmv.md) and was replaced by this one.
-FUSED_TABLE: tuple[tuple[int | None, FusedTiling | None], ...] = ((None, None),)
+# float32 is the checking dtype (the GPU tests compare it token for token with PEFT). Its products
+# run in IEEE float32 on CUDA cores, where Triton unrolls a whole tile product into scalar FMAs;
+# at the bf16 tile sizes the float32 engine's warm-up sat in an SGMV launch for minutes on an
+# H100. Its tiles are capped to these.
+FLOAT32_CAPS = {"block_m": 16, "block_n": 32, "block_k": 32, "block_r": 16}
 
 
-def pick(table, num_tokens: int):
-    """The tiling of the first row whose bound covers `num_tokens`."""
+def pick(table, num_tokens: int, float32: bool = False):
+    """The tiling of the first row whose bound covers `num_tokens` (capped for float32)."""
     for bound, tiling in table:
         if bound is None or num_tokens <= bound:
-            return tiling
+            if not float32:
+                return tiling
+            caps = {f.name: min(getattr(tiling, f.name), FLOAT32_CAPS[f.name])
+                    for f in fields(tiling) if f.name in FLOAT32_CAPS}
+            return replace(tiling, **caps)
     raise ValueError("a tuning table must end with an unbounded row")

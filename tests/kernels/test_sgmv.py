@@ -2,11 +2,12 @@
 
 Without a GPU the kernels run in Triton's interpreter (float32, tiny sizes); with one, the same
 sweeps run compiled, and the `gpu` tests add bf16 at Llama-3-8B widths, CUDA-graph replay over new
-metadata, and repeated split-K launches that must agree bit for bit.
+metadata, and repeated split-K launches that must agree bit for bit. The float32 caps on the
+tuning tables' tilings are checked as data.
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -23,11 +24,19 @@ from kernels.sgmv import (  # noqa: E402
     torch_expand,
     torch_shrink,
 )
+from kernels.sgmv_tuning import (  # noqa: E402
+    EXPAND_TABLE,
+    FLOAT32_CAPS,
+    NO_SPLIT,
+    SHRINK_TABLE,
+    ExpandTiling,
+    ShrinkTiling,
+    pick,
+)
 
 try:
     from kernels import sgmv_triton
-    from kernels.sgmv_tuning import NO_SPLIT, ExpandTiling, FusedTiling, ShrinkTiling
-except ImportError:  # no triton: only the reference tests run
+except ImportError:  # no triton: only the reference and tuning-table tests run
     sgmv_triton = None
 
 needs_triton = pytest.mark.skipif(sgmv_triton is None, reason="triton is not importable")
@@ -96,17 +105,6 @@ def vector_tiles() -> tuple:
 
 
 TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles}
-
-
-def fused_tilings() -> dict:
-    """One-launch tilings: 16-token row tiles (tensor-core products) with a hidden loop of several
-    steps over an uneven size and several column blocks per slice; tiles of two tokens
-    (matrix-vector products); wide tiles."""
-    return {
-        "tile": FusedTiling(16, 16, 16, num_warps=4, num_stages=2),
-        "vector": FusedTiling(2, 32, 32, num_warps=4, num_stages=1),
-        "wide": FusedTiling(32, 64, 64, num_warps=4, num_stages=2),
-    }
 
 
 @pytest.fixture(params=["default", *TILINGS])
@@ -233,36 +231,17 @@ class TestTritonMatchesReference:
         assert_close(y_out, y_ref)
         assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
 
-    @pytest.mark.parametrize(
-        "layout_name,batch_name,fused",
-        [(lay, name, "tile") for lay in LAYOUTS for name in BATCHES]
-        + [("qkv_gqa", name, "vector") for name in ("one_token", "ranks_1_3_8_16")]
-        + [(lay, "base_interleaved", "wide") for lay in ("qkv_gqa", "single")],
-    )
-    def test_fused_apply(self, layout_name, batch_name, fused, monkeypatch):
-        monkeypatch.setattr(sgmv_triton, "FUSED_TABLE", ((None, fused_tilings()[fused]),))
-        layout = LAYOUTS[layout_name]
-        batch, a, b, x, y, _ = run_case(layout, batch_name)
-        a_poisoned, b_poisoned = poison_past_rank(a, b, BATCHES[batch_name][1], len(layout.outs))
+    def test_apply_is_shrink_then_expand(self):
+        layout = LAYOUTS["qkv_gqa"]
+        batch, a, b, x, y, _ = run_case(layout, "decode_distinct")
+        a_poisoned, b_poisoned = poison_past_rank(a, b, BATCHES["decode_distinct"][1], 3)
         y_ref, y_out = y.clone(), y.clone()
         torch_apply(x, a, b, batch, y_ref, layout.out_offsets)
         sgmv_triton.triton_apply(x, a_poisoned, b_poisoned, batch, y_out, layout.out_offsets)
         assert_close(y_out, y_ref)
         inside = segment_rows(batch, x.shape[0])
         assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
-        if batch_name == "decode_distinct":  # a relaunch agrees bit for bit
-            y_again = y.clone()
-            sgmv_triton.triton_apply(x, a_poisoned, b_poisoned, batch, y_again,
-                                     layout.out_offsets)
-            assert torch.equal(y_again, y_out)
 
-    def test_fused_apply_default_table_and_empty_batch(self):
-        layout = LAYOUTS["qkv_gqa"]
-        batch, a, b, x, y, _ = run_case(layout, "decode_distinct")
-        y_ref, y_out = y.clone(), y.clone()
-        torch_apply(x, a, b, batch, y_ref, layout.out_offsets)
-        sgmv_triton.triton_apply(x, a, b, batch, y_out, layout.out_offsets)
-        assert_close(y_out, y_ref)
         empty = batch_from_tables([], [], [], [0, 16], [1.0, 1.0], num_tokens=x.shape[0])
         a, b = make_weights(layout, [0, 16], 16)
         y_out = y.clone()
@@ -353,6 +332,28 @@ class TestLaunchers:
             sgmv_triton.triton_expand(h, b, batch, y, (0, 56, 100))
 
 
+class TestFloat32Caps:
+    """Compiled float32 tiles are capped; other dtypes and the interpreter keep the table's."""
+
+    @pytest.mark.parametrize("table", [SHRINK_TABLE, EXPAND_TABLE], ids=["shrink", "expand"])
+    @pytest.mark.parametrize("num_tokens", [1, 16, 17, 200, 5000])
+    def test_capped_fields_only(self, table, num_tokens):
+        row = pick(table, num_tokens)
+        capped = pick(table, num_tokens, float32=True)
+        assert type(capped) is type(row)
+        for name, value in asdict(row).items():
+            if name in FLOAT32_CAPS:
+                assert getattr(capped, name) == min(value, FLOAT32_CAPS[name])
+                assert getattr(capped, name) <= FLOAT32_CAPS[name]
+            else:
+                assert getattr(capped, name) == value, name
+        assert pick(table, num_tokens, float32=False) is row
+
+    @needs_triton
+    def test_interpreter_float32_is_not_capped(self):
+        assert not sgmv_triton._unrolled(torch.zeros(2, 2, dtype=torch.float32, device="cpu"))
+
+
 def naive_delta(x, a, b, batch: SgmvBatch, out_offsets) -> torch.Tensor:
     """The LoRA delta one token at a time, straight from the formula in kernels/sgmv.py."""
     n = len(out_offsets) - 1
@@ -424,30 +425,6 @@ class TestOnGpu:
         torch_expand(h.float(), b.float(), batch, y_ref, layout.out_offsets)
         torch.testing.assert_close(y_out.float(), y_ref, atol=3e-2, rtol=2e-2)
         assert torch.equal(y_out[~inside], y[~inside])
-
-    @pytest.mark.parametrize("seg_lens", [[1] * 64, [8] * 8, [1]], ids=["b64", "d8", "b1"])
-    @pytest.mark.parametrize("layout", [LLAMA3_8B_QKV, Layout(14336, (4096,))], ids=["qkv", "down"])
-    def test_fused_apply_llama3_widths(self, seg_lens, layout):
-        max_rank, dtype = 64, torch.bfloat16
-        ranks = [0, 8, 16, 32, 64, 16, 8, 64, 32]
-        a, b = make_weights(layout, ranks, max_rank, dtype=dtype)
-        slots = [1 + i % (len(ranks) - 1) for i in range(len(seg_lens))]
-        ends = torch.tensor(seg_lens).cumsum(0).tolist()
-        batch = batch_from_tables([0, *ends[:-1]], ends, slots, ranks,
-                                  [0.5 + 0.25 * i for i in range(len(ranks))])
-        num_tokens = ends[-1] + 3
-        x = torch.randn(num_tokens, layout.hidden, device=DEVICE, dtype=dtype)
-        y = torch.randn(num_tokens, sum(layout.outs), device=DEVICE, dtype=dtype)
-        y_out, y_ref = y.clone(), y.float()
-        sgmv_triton.triton_apply(x, a, b, batch, y_out, layout.out_offsets)
-        torch_apply(x.float(), a.float(), b.float(), batch, y_ref, layout.out_offsets)
-        torch.testing.assert_close(y_out.float(), y_ref, atol=3e-2, rtol=2e-2)
-        inside = segment_rows(batch, num_tokens)
-        assert torch.equal(y_out[~inside], y[~inside])
-        for _ in range(20):  # deterministic over launches
-            y_again = y.clone()
-            sgmv_triton.triton_apply(x, a, b, batch, y_again, layout.out_offsets)
-            assert torch.equal(y_again, y_out)
 
     def test_split_k_bitwise_stable_over_many_launches(self):
         layout = Layout(14336, (4096,))  # down_proj: the longest split-K
