@@ -21,9 +21,10 @@ a joint prefill costs one step that is longer by the copies still in flight, whi
 prefetcher usually finished before admission.
 
 One exception keeps long copies from stalling everyone: while other requests run, a request
-whose adapter has a copy in flight longer than two steps take (a large rank: tens of
-milliseconds over PCIe) waits until most of it has landed (`AdapterGate.copy_settled`), so the
-running requests' steps are not stretched to the copy's length. Shorter copies are admitted at
+whose adapter's copy is expected to land later than two steps from now (a large rank: tens of
+milliseconds over PCIe; or a copy queued behind others on the load stream, which runs them in
+order) waits until most of it has landed (`AdapterGate.copy_settled`), so the running
+requests' steps are not stretched to the copies' length. Shorter copies are admitted at
 once: they arrive layer by layer while earlier layers compute, and stretch the step they join by
 at most one step, which is what waiting a step would cost the new request. Any copy is admitted
 at once when nothing else runs. The rule bounds copies the prefetcher started ahead of

@@ -1,5 +1,5 @@
-"""Steady-state decode steps must not synchronize the host with the device, except for the
-one event wait that brings the sampled tokens back."""
+"""Steady-state steps -- decodes, and prefills joining running decodes -- must not synchronize
+the host with the device, except for the one event wait that brings the sampled tokens back."""
 
 import pytest
 import torch
@@ -13,21 +13,27 @@ pytestmark = pytest.mark.gpu
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
+def engine_with_adapters(tmp_path, count: int, **config) -> tuple[Engine, list[str]]:
+    """A small model on the GPU serving `count` adapters of ranks 4, 8, ..."""
     model_dir = make_model(tmp_path / "m", hidden_size=128, intermediate_size=256, num_heads=4,
                            num_kv_heads=2)
     adapters = tuple(
         (f"a{i}", str(make_adapter(model_dir, tmp_path / f"a{i}", rank=4 * (i + 1),
                                    target_modules=ALL, seed=i)))
-        for i in range(3)
+        for i in range(count)
     )
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", num_kv_blocks=256,
-                                 adapters=adapters))
+                                 adapters=adapters, **config))
+    return engine, [name for name, _ in adapters]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
+    engine, adapters = engine_with_adapters(tmp_path, 3)
     params = SamplingParams(max_tokens=64, temperature=temperature, top_p=0.9, top_k=50,
                             ignore_eos=True)
     for i in range(6):
-        adapter = None if i % 4 == 3 else adapters[i % 3][0]
+        adapter = None if i % 4 == 3 else adapters[i % 3]
         seed = i if i % 2 else None
         p = SamplingParams(**{**params.__dict__, "seed": seed})
         engine.add_request(Request(f"r{i}", [5 + i, 6, 7, 8], p, adapter))
@@ -41,5 +47,28 @@ def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
         for _ in range(8):
             outputs = engine.step()
             assert len(outputs) == 6
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_prefill_steps_run_under_sync_debug_error(tmp_path):
+    # A small token budget splits the long prompt into chunks: chunked prefill is checked too.
+    engine, adapters = engine_with_adapters(tmp_path, 2, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i, name in enumerate(adapters):  # adapters resident, kernels warm
+        engine.add_request(Request(f"warm{i}", [5, 6, 7], params, name))
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        prompts = [list(range(10, 50)), list(range(3, 150)), list(range(60, 77))]
+        for i, prompt in enumerate(prompts):
+            adapter = adapters[i] if i < len(adapters) else None
+            engine.add_request(Request(f"p{i}", prompt, params, adapter))
+        firsts = set()
+        for _ in range(8):  # prefills and chunks next to the warm requests' decodes
+            firsts |= {o.request_id for o in engine.step() if o.new_token_ids}
+        assert {"p0", "p1", "p2"} <= firsts
     finally:
         torch.cuda.set_sync_debug_mode("default")
