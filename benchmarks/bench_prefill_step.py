@@ -9,7 +9,8 @@ its sampled token back, so this is the whole prefill as a request's TTFT sees it
 included. Floor: 2 x parameters x N FLOPs at the bf16 matmul rate of a large square GEMM timed
 here, or the weights' bytes over the HBM bandwidth timed here, whichever is larger.
 `--profile` also writes, per case, the GPU time per kernel and the host time per op of one step
-(prefill_profile_<tokens>_<adapter>.txt), to tell host-bound steps from slow kernels.
+(prefill_profile_<tokens>_<adapter>.txt), and reports the step's summed kernel time
+(`gpu_busy_ms`): far below `step_ms` means the step is bound by host work, not by kernels.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def prefill_once(engine: Engine, tokens: int, adapter: str | None, rng: random.R
     return elapsed
 
 
-def profile_step(engine, tokens: int, adapter: str | None, rng, out: Path) -> None:
+def profile_step(engine, tokens: int, adapter: str | None, rng, out: Path) -> float | None:
+    """Profile one step into a text file; returns the GPU time its kernels took (ms), which
+    against the step's wall time tells a host-bound step from slow kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -73,6 +76,10 @@ def profile_step(engine, tokens: int, adapter: str | None, rng, out: Path) -> No
     name = f"prefill_profile_{tokens}_{adapter or 'base'}.txt"
     (out / name).write_text("\n\n".join(text))
     print(text[0][:4000], flush=True)
+    if not torch.cuda.is_available():
+        return None
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in kernels) / 1000  # the kernels' own rows only
 
 
 def main() -> None:
@@ -120,17 +127,18 @@ def main() -> None:
             if rate is not None:
                 floor_ms = 1000 * max(2 * params * tokens / rate, weight_bytes / bandwidth)
                 row.update(floor_ms=floor_ms, ratio_to_floor=step_ms / floor_ms)
+            if args.profile:
+                row["gpu_busy_ms"] = profile_step(engine, tokens, adapter, rng, Path(args.out))
             rows.append(row)
             print(row, flush=True)
-            if args.profile:
-                profile_step(engine, tokens, adapter, rng, Path(args.out))
     write_results(
         args.out, "prefill_step",
         "Prefill step, one request, Llama-3-8B shape" + (" (smoke: tiny model, CPU)"
                                                          if args.smoke else ""),
         "step time against max(2 x params x tokens / measured bf16 GEMM rate, weight bytes / "
         "measured HBM bandwidth)",
-        ["tokens", "adapter", "step_ms", "floor_ms", "ratio_to_floor", "tokens_per_s"],
+        ["tokens", "adapter", "step_ms", "gpu_busy_ms", "floor_ms", "ratio_to_floor",
+         "tokens_per_s"],
         rows,
         {"gemm_TFLOPs": rate and rate / 1e12, "hbm_TBps": bandwidth and bandwidth / 1e12,
          "params": params},
