@@ -150,11 +150,12 @@ def make_problem(case: Case, shapes: dict, layers: int, dtype, device) -> Proble
 
 
 def sgmv_layer(p: Problem, layer: int, groups=None) -> None:
-    from kernels.sgmv_triton import triton_apply
+    from kernels.sgmv import get_backend
 
+    triton = get_backend("triton")
     for group in groups or p.shapes:
         a, b = p.weights[layer][group]
-        triton_apply(p.x[group], a, b, p.batch, p.y[group], p.offsets(group))
+        triton.apply(p.x[group], a, b, p.batch, p.y[group], p.offsets(group))
 
 
 def shrink_layer(p: Problem, layer: int, groups=None) -> None:
@@ -209,15 +210,14 @@ def graph_us_per_layer(p: Problem, layer_fn, groups=None, iters: int = 20) -> fl
 
 def check_against_reference(p: Problem) -> float:
     """Largest relative error of the Triton delta vs the torch reference (float32), layer 0."""
-    from kernels.sgmv import torch_expand, torch_shrink
-    from kernels.sgmv_triton import triton_apply
+    from kernels.sgmv import get_backend, torch_expand, torch_shrink
 
     worst = 0.0
     for group, (_, outs) in p.shapes.items():
         a, b = p.weights[0][group]
         x = p.x[group]
         y = torch.zeros_like(p.y[group])
-        triton_apply(x, a, b, p.batch, y, p.offsets(group))
+        get_backend("triton").apply(x, a, b, p.batch, y, p.offsets(group))
         y_ref = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
         h_ref = torch_shrink(x.float(), a.float(), p.batch, len(outs))
         torch_expand(h_ref, b.float(), p.batch, y_ref, p.offsets(group))

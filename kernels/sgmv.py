@@ -93,32 +93,29 @@ def torch_expand(
             y[s:e, o0:o1] += scale * (hs @ b[slot, o0:o1, :r].t())
 
 
-def torch_apply(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    batch: SgmvBatch,
-    y: torch.Tensor,
-    out_offsets: tuple[int, ...],
-) -> None:
-    """x: [T, in]; a: [num_slots, n*R, in]; b: [num_slots, sum(out_i), R]; y += the LoRA delta."""
-    torch_expand(torch_shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
-
-
 ShrinkFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, int], torch.Tensor]
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None]
-ApplyFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None
-]
 
 
 class SgmvOps(NamedTuple):
     shrink: ShrinkFn
     expand: ExpandFn
-    apply: ApplyFn
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        batch: SgmvBatch,
+        y: torch.Tensor,
+        out_offsets: tuple[int, ...],
+    ) -> None:
+        """y += the LoRA delta of one group: x [T, in]; a [num_slots, n*R, in]; b [num_slots,
+        sum(out_i), R]. A shrink, then an expand."""
+        self.expand(self.shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
 
 
-BACKENDS: dict[str, SgmvOps] = {"torch": SgmvOps(torch_shrink, torch_expand, torch_apply)}
+BACKENDS: dict[str, SgmvOps] = {"torch": SgmvOps(torch_shrink, torch_expand)}
 
 
 def get_backend(name: str) -> SgmvOps:

@@ -296,19 +296,6 @@ def _sgmv_expand_kernel(
             tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def triton_apply(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    batch: SgmvBatch,
-    y: torch.Tensor,
-    out_offsets: tuple[int, ...],
-) -> None:
-    """y += the LoRA delta of one group: x [T, in], a [num_slots, n*R, in], b [num_slots,
-    sum(out_i), R]; a shrink, then an expand."""
-    triton_expand(triton_shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
-
-
 def triton_shrink(
     x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
 ) -> torch.Tensor:
@@ -476,4 +463,4 @@ def _locks(device: torch.device, needed: int) -> torch.Tensor:
     return buffers[-1]
 
 
-BACKENDS["triton"] = SgmvOps(triton_shrink, triton_expand, triton_apply)
+BACKENDS["triton"] = SgmvOps(triton_shrink, triton_expand)

@@ -20,7 +20,6 @@ import pytest  # noqa: E402
 from kernels.sgmv import (  # noqa: E402
     SgmvBatch,
     get_backend,
-    torch_apply,
     torch_expand,
     torch_shrink,
 )
@@ -236,8 +235,8 @@ class TestTritonMatchesReference:
         batch, a, b, x, y, _ = run_case(layout, "decode_distinct")
         a_poisoned, b_poisoned = poison_past_rank(a, b, BATCHES["decode_distinct"][1], 3)
         y_ref, y_out = y.clone(), y.clone()
-        torch_apply(x, a, b, batch, y_ref, layout.out_offsets)
-        sgmv_triton.triton_apply(x, a_poisoned, b_poisoned, batch, y_out, layout.out_offsets)
+        get_backend("torch").apply(x, a, b, batch, y_ref, layout.out_offsets)
+        get_backend("triton").apply(x, a_poisoned, b_poisoned, batch, y_out, layout.out_offsets)
         assert_close(y_out, y_ref)
         inside = segment_rows(batch, x.shape[0])
         assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
@@ -245,7 +244,7 @@ class TestTritonMatchesReference:
         empty = batch_from_tables([], [], [], [0, 16], [1.0, 1.0], num_tokens=x.shape[0])
         a, b = make_weights(layout, [0, 16], 16)
         y_out = y.clone()
-        sgmv_triton.triton_apply(x, a, b, empty, y_out, layout.out_offsets)
+        get_backend("triton").apply(x, a, b, empty, y_out, layout.out_offsets)
         assert torch.equal(y_out, y)
 
     def test_empty_batch_launches_nothing_and_leaves_y(self, tiling):
@@ -305,9 +304,7 @@ class TestTritonMatchesReference:
 @needs_triton
 class TestLaunchers:
     def test_registered_as_the_triton_backend(self):
-        assert get_backend("triton") == (
-            sgmv_triton.triton_shrink, sgmv_triton.triton_expand, sgmv_triton.triton_apply
-        )
+        assert get_backend("triton") == (sgmv_triton.triton_shrink, sgmv_triton.triton_expand)
 
     def test_rejects_mixed_dtypes(self):
         layout = LAYOUTS["single"]
@@ -454,7 +451,7 @@ class TestOnGpu:
 
         def step():
             y.zero_()
-            sgmv_triton.triton_apply(x, a, b, static, y, layout.out_offsets)
+            get_backend("triton").apply(x, a, b, static, y, layout.out_offsets)
 
         step()  # compile and size the workspaces before capture
         torch.cuda.synchronize()
