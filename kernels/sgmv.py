@@ -12,9 +12,8 @@ where `n` slices share one input (q/k/v, or gate/up) and slice `i` writes output
 R = max_lora_rank; rows and columns past an adapter's true rank are zero, so any backend may
 ignore them.
 
-Backends implement `shrink`, `expand` and `apply` (the delta of one group: expand of shrink, which
-a backend may fuse into one launch) with the signatures of the torch reference below, and register
-themselves in `BACKENDS`.
+Backends implement `shrink` and `expand` with the signatures of the torch reference below and
+register themselves in `BACKENDS`; `SgmvOps.apply` (the delta of one group) is expand of shrink.
 """
 
 from __future__ import annotations
