@@ -60,7 +60,7 @@ DISTINCT_FILES = 4  # adapter folders share this many weight files (symlinks) to
 
 def write_fleet(root: Path, spec: ModelSpec, names: list[str], rank: int) -> dict[str, str]:
     files = []
-    for k in range(DISTINCT_FILES):
+    for k in range(min(DISTINCT_FILES, len(names))):
         g = torch.Generator().manual_seed(k)
         tensors = {}
         for layer in range(spec.num_layers):
@@ -89,7 +89,7 @@ def write_fleet(root: Path, spec: ModelSpec, names: list[str], rank: int) -> dic
         folder = root / name
         folder.mkdir()
         (folder / "adapter_config.json").write_text(json.dumps(config))
-        os.symlink(files[i % DISTINCT_FILES], folder / "adapter_model.safetensors")
+        os.symlink(files[i % len(files)], folder / "adapter_model.safetensors")
         out[name] = str(folder)
     return out
 
