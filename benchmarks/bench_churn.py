@@ -119,6 +119,7 @@ def workload(args, names: list[str], kind: str):
 
 def run(engine: Engine, requests) -> dict:
     start = time.monotonic()
+    steps, preemptions = engine.num_steps, engine.num_preemptions
     pending = list(enumerate(requests))
     arrival, first, last, count, itl, waits = {}, {}, {}, {}, [], []
     added: list[Request] = []
@@ -175,6 +176,9 @@ def run(engine: Engine, requests) -> dict:
         if stats.read_seconds else 0.0,
         "prefetch_loads": stats.prefetch_loads,
         "requests": len(first),
+        # KV-cache pressure: requests sent back to wait and recomputed, and tokens per step
+        "preemptions": engine.num_preemptions - preemptions,
+        "tokens_per_step": sum(count.values()) / max(1, engine.num_steps - steps),
     }
 
 
@@ -244,7 +248,7 @@ def parse_published(text: str | None) -> tuple[str, dict[str, float]] | None:
     return source.strip(), figures
 
 
-def save(args, rows: list[dict], copy: dict | None) -> None:
+def save(args, rows: list[dict], copy: dict | None, kv_blocks: int | None) -> None:
     """Write the rows so far with their ratios to blocking (A) and to all-resident."""
     for kind in {r["popularity"] for r in rows}:
         base = {r["mode"]: r for r in rows if r["popularity"] == kind}
@@ -281,6 +285,8 @@ def save(args, rows: list[dict], copy: dict | None) -> None:
         "prefetch_loads",
         "disk_reads",
         "disk_read_mean_ms",
+        "preemptions",
+        "tokens_per_step",
         "ttft_p50_vs_blocking",
         "throughput_vs_blocking",
         "churn_penalty",
@@ -297,6 +303,7 @@ def save(args, rows: list[dict], copy: dict | None) -> None:
         rows,
         {
             "copy_bandwidth": copy,
+            "kv_blocks": kv_blocks,
             "published": args.published,
             "args": {k: str(v) for k, v in vars(args).items()},
         },
@@ -315,7 +322,13 @@ def main() -> None:
     ap.add_argument("--popularity", default="distinct,uniform,skewed")
     ap.add_argument("--modes", default="blocking,overlap,prefetch")
     ap.add_argument("--resident", action="store_true")
-    ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=4096,
+        help="KV cache blocks of 16 tokens; 0 sizes the cache from free GPU memory as a served "
+        "engine does (kv_cache_memory_fraction)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument(
         "--host-cache",
@@ -358,7 +371,7 @@ def main() -> None:
                 max_loaded_loras=max(host_cache, slots),
                 adapters=tuple(fleet.items()),
                 adapter_loading=mode,
-                num_kv_blocks=args.kv_blocks,
+                num_kv_blocks=args.kv_blocks or None,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=2048,
             )
@@ -397,7 +410,7 @@ def main() -> None:
             rows.append(row)
             rows.sort(key=lambda r: kinds.index(r["popularity"]))  # stable: modes stay in order
             print(f"{kind}/{mode} in {time.monotonic() - started:.1f} s:", row, flush=True)
-            save(args, rows, copy)  # after every run: a cut-off benchmark keeps what it measured
+            save(args, rows, copy, e.runner.num_kv_blocks)  # after every run: a cut-off benchmark keeps what it measured
         e.adapters.shutdown()
         del e
         gc.collect()

@@ -66,7 +66,7 @@ for s in "$@"; do
                 --num-requests 80 --popularity uniform,skewed ;;
         seeds)
             churn seeds 200 --num-adapters 1 --rank 16 --slots 1 --rate 8 --num-requests 480 \
-                --input-len 200:1000 --output-len 100:400 --popularity distinct --modes prefetch \
+                --input-len 200:1000 --output-len 100:400 --popularity distinct --modes prefetch --kv-blocks 0 \
                 --max-num-seqs 128 --name seeds_shape \
                 --published "SGLang:ttft_p50_ms=62.65,itl_p50_ms=22.68" ;;
         router)

@@ -386,6 +386,7 @@ def _engine_stats(engine: Engine) -> dict:
     stats = engine.adapters.stats
     return {
         "num_steps": engine.num_steps,
+        "num_preemptions": engine.num_preemptions,
         "max_adapters_in_step": engine.max_adapters_in_step,
         "adapter_disk_reads": stats.disk_reads,
         "adapter_gpu_loads": stats.gpu_loads,

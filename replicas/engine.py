@@ -59,6 +59,7 @@ class Engine:
             self.adapters,
         )
         self.num_steps = 0
+        self.num_preemptions = 0  # running requests sent back to wait (KV cache full), recomputed
         self.stalled = False  # the last step ran nothing while requests wait (adapter reads)
         self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
 
@@ -133,6 +134,7 @@ class Engine:
             [(r.adapter, r.arrival_time) for r in self.scheduler.waiting if r.adapter is not None]
         )
         sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
         self.stalled = sched.empty and not sched.failed and self.has_work
         outputs = [
             RequestOutput(r.request_id, [], r.finish_reason, r.error, r.num_prompt_tokens)

@@ -180,8 +180,8 @@ class LoraWeightPool:
         events: list[torch.cuda.Event] | None = [] if stream is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
-            self.ranks[slot] = weights.rank
-            self.scalings[slot] = weights.scaling
+            _set_element(self.ranks, slot, weights.rank)
+            _set_element(self.scalings, slot, weights.scaling)
             packed = weights.layers is not None and weights.layers[0].numel() == self._slot_bytes
             for layer in range(self.spec.num_layers):
                 if packed:  # the whole layer, zeros past each module's rank included
@@ -247,3 +247,15 @@ class LoraWeightPool:
         self._ops.apply(
             x, self.a[layer][group], self.b[layer][group], batch, y, self.out_offsets[group]
         )
+
+
+def _set_element(dst: torch.Tensor, index: int, value: float) -> None:
+    """dst[index] = value on the current stream, without a blocking copy. On CUDA a plain
+    assignment copies from pageable memory and waits; here the value goes through a fresh pinned
+    tensor, which the caching host allocator keeps until the copy has run."""
+    if dst.device.type != "cuda":
+        dst[index] = value
+        return
+    src = torch.tensor([value], dtype=dst.dtype).pin_memory()
+    dst[index : index + 1].copy_(src, non_blocking=True)
+
