@@ -410,7 +410,8 @@ def main() -> None:
             rows.append(row)
             rows.sort(key=lambda r: kinds.index(r["popularity"]))  # stable: modes stay in order
             print(f"{kind}/{mode} in {time.monotonic() - started:.1f} s:", row, flush=True)
-            save(args, rows, copy, e.runner.num_kv_blocks)  # after every run: a cut-off benchmark keeps what it measured
+            # after every run: a cut-off benchmark keeps what it measured
+            save(args, rows, copy, e.runner.num_kv_blocks)
         e.adapters.shutdown()
         del e
         gc.collect()

@@ -48,6 +48,14 @@ class SgmvBatch:
         assert len(self.seg_starts) == len(self.seg_ends) == len(self.seg_slots_host)
         for s, e in zip(self.seg_starts, self.seg_ends, strict=True):
             assert 0 <= s < e <= self.num_tokens, "segments must be non-empty and in range"
+        # Checked once per step here rather than in every kernel launch of every layer.
+        n = len(self.seg_starts)
+        assert self.seg_indptr.shape == (n + 1,) and self.seg_slots.shape == (n,)
+        assert self.seg_indptr.dtype == self.seg_slots.dtype == self.slot_ranks.dtype == torch.int32
+        assert self.slot_scalings.dtype == torch.float32
+        device = self.seg_indptr.device
+        for t in (self.seg_indptr, self.seg_slots, self.slot_ranks, self.slot_scalings):
+            assert t.device == device and t.is_contiguous(), "metadata: contiguous, one device"
 
     @property
     def num_segments(self) -> int:

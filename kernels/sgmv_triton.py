@@ -31,6 +31,7 @@ accumulation is float32.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -314,38 +315,21 @@ def triton_shrink(
     if num_segments == 0:
         return h
 
-    t = pick(SHRINK_TABLE, num_tokens, float32=_unrolled(x))
-    block_n = min(t.block_n, _pow2_at_least_16(num_cols))
-    block_k = min(t.block_k, _pow2_at_least_16(hidden))
-    k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
-    split_k = cdiv(hidden, k_per_split)
-    num_cb = cdiv(num_cols, block_n)
-    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
-    if split_k > 1:
-        part = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
-        locks = _locks(x.device, bound_tiles * num_cb)
+    plan = _shrink_plan(num_tokens, hidden, num_cols, max_rank, num_segments,
+                        batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device))
+    if plan.split_k > 1:
+        part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
+                           device=x.device)
+        locks = _locks(x.device, plan.num_locks)
     else:  # unused by the kernel
         part, locks = h, batch.seg_slots
-    grid = (min(bound_tiles * num_cb * split_k, _num_sms(x.device) * t.programs_per_sm),)
-    _sgmv_shrink_kernel[grid](
+    _sgmv_shrink_kernel[plan.grid](
         x, a, h, part, locks,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
         num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
         x.stride(0), a.stride(0), a.stride(1), h.stride(0),
-        MAX_RANK=max_rank,
-        NUM_COLS=num_cols,
-        NUM_CB=num_cb,
-        BLOCK_S=_pow2_at_least_16(num_segments),
-        BLOCK_SLOTS=_pow2_at_least_16(batch.slot_ranks.shape[0]),
-        BLOCK_M=t.block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        K_PER_SPLIT=k_per_split,
-        SPLIT_K=split_k,
-        EVEN_K=hidden % block_k == 0,
+        **plan.constants,
         PRECISION=_precision(x.dtype),
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
     )
     return h
 
@@ -372,17 +356,68 @@ def triton_expand(
     if num_segments == 0:
         return
 
-    t = pick(EXPAND_TABLE, num_tokens, float32=_unrolled(y))
-    block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
-    block_r = min(t.block_r, _pow2_at_least_16(max_rank))
-    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
-    grid = (min(bound_tiles * num_nb, _num_sms(y.device) * t.programs_per_sm),)
     num_slots = batch.slot_ranks.shape[0]
-    _sgmv_expand_kernel[grid](
+    plan = _expand_plan(num_tokens, tuple(out_offsets), max_rank, num_segments, num_slots,
+                        _unrolled(y), _num_sms(y.device))
+    _sgmv_expand_kernel[plan.grid](
         h, b, y,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
         num_segments, num_slots,
         h.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        **plan.constants,
+        PRECISION=_precision(y.dtype),
+    )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A launch's grid and compile-time constants, which depend on shapes alone."""
+
+    grid: tuple[int]
+    constants: dict  # keyword arguments of the kernel: block sizes, counts, warps, stages
+    split_k: int = 1
+    num_locks: int = 0
+
+
+# Plans are pure functions of a few integers: an eager step launches each kernel once per layer
+# with the same shapes, so the tiling choice and the block arithmetic are done once per shape.
+@functools.lru_cache(maxsize=4096)
+def _shrink_plan(num_tokens: int, hidden: int, num_cols: int, max_rank: int, num_segments: int,
+                 num_slots: int, float32: bool, num_sms: int) -> _Plan:
+    t = pick(SHRINK_TABLE, num_tokens, float32=float32)
+    block_n = min(t.block_n, _pow2_at_least_16(num_cols))
+    block_k = min(t.block_k, _pow2_at_least_16(hidden))
+    k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
+    split_k = cdiv(hidden, k_per_split)
+    num_cb = cdiv(num_cols, block_n)
+    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
+    constants = dict(
+        MAX_RANK=max_rank,
+        NUM_COLS=num_cols,
+        NUM_CB=num_cb,
+        BLOCK_S=_pow2_at_least_16(num_segments),
+        BLOCK_SLOTS=_pow2_at_least_16(num_slots),
+        BLOCK_M=t.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        K_PER_SPLIT=k_per_split,
+        SPLIT_K=split_k,
+        EVEN_K=hidden % block_k == 0,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
+    return _Plan(grid, constants, split_k, bound_tiles * num_cb)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expand_plan(num_tokens: int, out_offsets: tuple[int, ...], max_rank: int,
+                 num_segments: int, num_slots: int, float32: bool, num_sms: int) -> _Plan:
+    t = pick(EXPAND_TABLE, num_tokens, float32=float32)
+    block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
+    block_r = min(t.block_r, _pow2_at_least_16(max_rank))
+    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
+    constants = dict(
         MAX_RANK=max_rank,
         **slice_consts,
         NUM_NB=num_nb,
@@ -392,10 +427,10 @@ def triton_expand(
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         NUM_RB=cdiv(max_rank, block_r),
-        PRECISION=_precision(y.dtype),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
+    return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
 
 
 def _slice_blocks(out_offsets: tuple[int, ...], block_cap: int) -> tuple[int, int, dict]:
@@ -416,13 +451,9 @@ def _slice_blocks(out_offsets: tuple[int, ...], block_cap: int) -> tuple[int, in
 
 
 def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> None:
-    s = batch.num_segments
+    """What a launch adds to SgmvBatch's own checks: the batch fits x and lives beside it."""
     assert batch.num_tokens <= num_tokens, f"batch has {batch.num_tokens} tokens, x {num_tokens}"
-    assert batch.seg_indptr.shape == (s + 1,) and batch.seg_slots.shape == (s,)
-    assert batch.seg_indptr.dtype == batch.seg_slots.dtype == batch.slot_ranks.dtype == torch.int32
-    assert batch.slot_scalings.dtype == torch.float32
-    for t in (batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings):
-        assert t.device == device and t.is_contiguous(), "metadata must be contiguous on the device"
+    assert batch.seg_indptr.device == device, "metadata must be on the kernel's device"
 
 
 def _pow2_at_least_16(n: int) -> int:
