@@ -315,7 +315,7 @@ def triton_shrink(
     if num_segments == 0:
         return h
 
-    plan = _shrink_plan(num_tokens, hidden, num_cols, max_rank, num_segments,
+    plan = _shrink_plan(SHRINK_TABLE, num_tokens, hidden, num_cols, max_rank, num_segments,
                         batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device))
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
@@ -357,8 +357,8 @@ def triton_expand(
         return
 
     num_slots = batch.slot_ranks.shape[0]
-    plan = _expand_plan(num_tokens, tuple(out_offsets), max_rank, num_segments, num_slots,
-                        _unrolled(y), _num_sms(y.device))
+    plan = _expand_plan(EXPAND_TABLE, num_tokens, tuple(out_offsets), max_rank, num_segments,
+                        num_slots, _unrolled(y), _num_sms(y.device))
     _sgmv_expand_kernel[plan.grid](
         h, b, y,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
@@ -379,12 +379,13 @@ class _Plan:
     num_locks: int = 0
 
 
-# Plans are pure functions of a few integers: an eager step launches each kernel once per layer
-# with the same shapes, so the tiling choice and the block arithmetic are done once per shape.
+# Plans are pure functions of the tuning table (a tuple of frozen rows, swapped by tests and the
+# sweep) and a few integers: an eager step launches each kernel once per layer with the same
+# shapes, so the tiling choice and the block arithmetic are done once per shape.
 @functools.lru_cache(maxsize=4096)
-def _shrink_plan(num_tokens: int, hidden: int, num_cols: int, max_rank: int, num_segments: int,
-                 num_slots: int, float32: bool, num_sms: int) -> _Plan:
-    t = pick(SHRINK_TABLE, num_tokens, float32=float32)
+def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_rank: int,
+                 num_segments: int, num_slots: int, float32: bool, num_sms: int) -> _Plan:
+    t = pick(table, num_tokens, float32=float32)
     block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
     k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
@@ -411,9 +412,10 @@ def _shrink_plan(num_tokens: int, hidden: int, num_cols: int, max_rank: int, num
 
 
 @functools.lru_cache(maxsize=4096)
-def _expand_plan(num_tokens: int, out_offsets: tuple[int, ...], max_rank: int,
-                 num_segments: int, num_slots: int, float32: bool, num_sms: int) -> _Plan:
-    t = pick(EXPAND_TABLE, num_tokens, float32=float32)
+def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
+                 max_rank: int, num_segments: int, num_slots: int, float32: bool,
+                 num_sms: int) -> _Plan:
+    t = pick(table, num_tokens, float32=float32)
     block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments

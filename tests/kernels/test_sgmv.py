@@ -306,6 +306,22 @@ class TestLaunchers:
     def test_registered_as_the_triton_backend(self):
         assert get_backend("triton") == (sgmv_triton.triton_shrink, sgmv_triton.triton_expand)
 
+    def test_a_swapped_tuning_table_takes_effect(self, monkeypatch):
+        # Launch plans are cached per shape: the table in force must be part of the key.
+        args = (64, 4096, 48, 16, 8, 8, False, 132)
+        default = sgmv_triton._shrink_plan(sgmv_triton.SHRINK_TABLE, *args)
+        shrink, expand = small_tiles()
+        monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
+        swapped = sgmv_triton._shrink_plan(sgmv_triton.SHRINK_TABLE, *args)
+        assert swapped.constants["BLOCK_M"] == shrink[0][1].block_m
+        assert swapped.constants != default.constants
+        offsets = (0, 4096, 5120, 6144)
+        e_default = sgmv_triton._expand_plan(sgmv_triton.EXPAND_TABLE, 64, offsets, 16, 8, 8,
+                                             False, 132)
+        e_swapped = sgmv_triton._expand_plan(expand, 64, offsets, 16, 8, 8, False, 132)
+        assert e_swapped.constants["BLOCK_M"] == expand[0][1].block_m
+        assert e_swapped.constants != e_default.constants
+
     def test_rejects_mixed_dtypes(self):
         layout = LAYOUTS["single"]
         batch, a, b, x, y, _ = run_case(layout, "one_token")
