@@ -287,13 +287,14 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
 
 def sweep(args: argparse.Namespace) -> None:
     """Time shrink alone and expand alone (all four groups of a layer) over candidate tilings,
-    the current table row first, at B = D = 64 and B = 1, plus a graph of empty kernels (the
-    launch floor); prints each time and the best per kernel, writes nothing."""
+    the current table row first, at B = D = 64, B = 64 over 8 adapters and B = 1, plus a graph
+    of empty kernels (the launch floor); prints each time and the best per kernel, writes
+    nothing."""
     from dataclasses import replace
 
     from benchmarks.common import time_cuda
     from kernels import sgmv_triton
-    from kernels.sgmv_tuning import EXPAND_TABLE, NO_SPLIT, SHRINK_TABLE, pick
+    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
 
     noop = torch.zeros(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -304,27 +305,34 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"launch floor: {time_cuda(graph.replay) / 100:.2f} us per tiny kernel in a graph")
 
     device = torch.device("cuda")
-    for case in (QUICK[2], QUICK[0]):  # the bandwidth target first, then latency at B = 1
+    # the bandwidth target first, then a few tokens per adapter, then latency at B = 1
+    for case in (QUICK[2], QUICK[3], QUICK[0]):
         p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
                          device)
         p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
                                             len(p.shapes[g][1])) for g in p.shapes}
         base_s, base_e = pick(SHRINK_TABLE, case.num_tokens), pick(EXPAND_TABLE, case.num_tokens)
+        # block_m 1: one token per tile, matrix-vector products (decode: a token per segment)
         shrinks = [base_s] + [
-            replace(base_s, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
+            replace(base_s, block_m=bm, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
                     num_stages=st, programs_per_sm=pps)
-            for bn, bk, kps, w, st, pps in (
-                (64, 256, 512, 4, 1, 8), (64, 256, 1024, 4, 2, 8), (64, 512, 1024, 8, 1, 4),
-                (64, 256, 2048, 4, 2, 4), (64, 512, 2048, 8, 2, 4), (64, 128, 1024, 4, 3, 8),
-                (16, 256, 1024, 4, 2, 8), (16, 512, 2048, 4, 2, 8), (64, 256, NO_SPLIT, 4, 3, 4),
+            for bm, bn, bk, kps, w, st, pps in (
+                (16, 64, 128, 1024, 4, 3, 8), (16, 64, 128, 2048, 4, 3, 8),
+                (16, 64, 128, 512, 4, 3, 8), (16, 64, 256, 1024, 4, 2, 8),
+                (16, 64, 128, 1024, 4, 4, 8), (16, 64, 128, 1024, 4, 3, 16),
+                (1, 64, 128, 1024, 4, 2, 8), (1, 64, 128, 2048, 4, 3, 8),
+                (1, 64, 256, 1024, 4, 2, 8), (1, 64, 64, 1024, 2, 3, 16),
+                (1, 16, 256, 1024, 2, 2, 16), (1, 64, 128, 512, 4, 2, 16),
             )
         ]
         expands = [base_e] + [
-            replace(base_e, block_n=bn, block_r=br, num_warps=w, num_stages=st,
+            replace(base_e, block_m=bm, block_n=bn, block_r=br, num_warps=w, num_stages=st,
                     programs_per_sm=pps)
-            for bn, br, w, st, pps in (
-                (128, 16, 4, 1, 16), (256, 16, 4, 2, 16), (512, 16, 4, 1, 8), (512, 16, 8, 2, 8),
-                (1024, 16, 8, 1, 4), (256, 64, 8, 2, 8), (512, 64, 8, 2, 4),
+            for bm, bn, br, w, st, pps in (
+                (16, 512, 16, 4, 1, 8), (16, 512, 16, 4, 2, 16), (16, 1024, 16, 4, 1, 8),
+                (1, 256, 16, 4, 1, 16), (1, 512, 16, 4, 1, 16), (1, 1024, 16, 4, 1, 8),
+                (1, 512, 16, 2, 1, 32), (1, 1024, 16, 8, 2, 8), (1, 2048, 16, 8, 1, 4),
+                (2, 512, 16, 4, 1, 16), (4, 512, 16, 4, 1, 16),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
