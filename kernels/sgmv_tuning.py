@@ -9,6 +9,12 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
 - Few tokens (decode): memory-bound on the adapter weights, and too few (segment, column block)
   pairs to fill 132 SMs, so the shrink cuts the hidden dimension into `k_per_split` pieces
   (split-K, reduced in a fixed order) and the expand uses narrow column blocks.
+- 17-128 tokens (batched decode): the 2026-11-24 sweep (`bench_sgmv --sweep`) picked, at
+  B = D = 64 rank 16, a shrink that splits K 1024-wide with a three-stage pipeline over 128-wide
+  steps (53 against 74 us/layer) and 512-column expand blocks (82 against 89); together 134
+  against 162 us/layer. At B = 64 over 8 adapters they cost about 5 us/layer more, and the
+  mixed-rank case (ranks to 64) 419 against 379: the expand's rank step stays 16, since a
+  512 x 64 tile spills (3.5 ms/layer).
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
@@ -44,14 +50,14 @@ NO_SPLIT = 1 << 30
 # (max tokens or None, tiling), first match wins.
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (16, ShrinkTiling(16, 64, 256, 256, num_warps=4, num_stages=1, programs_per_sm=8)),
-    (128, ShrinkTiling(16, 64, 256, 256, num_warps=4, num_stages=1, programs_per_sm=8)),
+    (128, ShrinkTiling(16, 64, 128, 1024, num_warps=4, num_stages=3, programs_per_sm=8)),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
     (None, ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4)),
 )
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, ExpandTiling(16, 128, 128, num_warps=4, num_stages=1, programs_per_sm=16)),
-    (128, ExpandTiling(16, 256, 64, num_warps=4, num_stages=1, programs_per_sm=16)),
+    (128, ExpandTiling(16, 512, 16, num_warps=4, num_stages=2, programs_per_sm=16)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
 )
