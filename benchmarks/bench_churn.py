@@ -331,6 +331,12 @@ def main() -> None:
     )
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument(
+        "--kv-reserve-ratios",
+        default=None,
+        help="comma-separated engine kv_reserve_ratio values, each a configuration of its own "
+        "(e.g. 0,0.5: no KV headroom against the default); default: the engine's",
+    )
+    ap.add_argument(
         "--host-cache",
         type=int,
         default=None,
@@ -360,9 +366,11 @@ def main() -> None:
 
     host_cache = args.host_cache or args.num_adapters
 
-    def engine(mode: str, slots: int) -> Engine:
+    def engine(mode: str, slots: int, reserve: float | None) -> Engine:
+        extra = {} if reserve is None else {"kv_reserve_ratio": reserve}
         return Engine(
             EngineConfig(
+                **extra,
                 model=str(root / "model"),
                 load_format="dummy",
                 device=device,
@@ -378,15 +386,19 @@ def main() -> None:
         )
 
     kinds = args.popularity.split(",")
-    configs = [(m, args.slots) for m in args.modes.split(",")]
+    reserves = ([float(r) for r in args.kv_reserve_ratios.split(",")]
+                if args.kv_reserve_ratios else [None])
+    configs = [(m, args.slots, r) for m in args.modes.split(",") for r in reserves]
     if args.resident:
-        configs.append(("resident", args.num_adapters))
+        configs.append(("resident", args.num_adapters, None))
     rows, copy = [], None
     # One engine per configuration, reused across popularities: a build captures a graph set
     # and compiles kernels for its slot count, which takes longer than a measured run.
-    for mode, slots in configs:
+    for mode, slots, reserve in configs:
         built = time.monotonic()
-        e = engine("prefetch" if mode == "resident" else mode, slots)
+        e = engine("prefetch" if mode == "resident" else mode, slots, reserve)
+        if reserve is not None:
+            mode = f"{mode}@kv_reserve={reserve:g}"
         print(f"engine for {mode} built in {time.monotonic() - built:.1f} s", flush=True)
         # With room for every adapter in host memory, all are read first: the run measures
         # slot churn alone. With less, disk reads are part of the churn.

@@ -23,6 +23,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction / the CPU default
     kv_cache_memory_fraction: float = 0.85  # of free GPU memory, after weights and adapter slots
+    # KV headroom kept for running requests' outputs when admitting (replicas/scheduler.py); it
+    # decays to a tenth of this while no preemption happens. 0: admit whenever a chunk fits.
+    kv_reserve_ratio: float = 0.5
     max_loras_per_batch: int = 8  # GPU adapter slots
     max_lora_rank: int = 16
     max_loaded_loras: int = 64  # adapters kept in host memory
@@ -65,6 +68,8 @@ class EngineConfig:
             raise ValueError("max_loaded_lora_bytes must be positive")
         if self.eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}")
+        if not 0.0 <= self.kv_reserve_ratio <= 1.0:
+            raise ValueError("kv_reserve_ratio must be in [0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
 

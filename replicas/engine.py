@@ -54,7 +54,13 @@ class Engine:
         )
         self.blocks = BlockAllocator(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                kv_reserve_ratio=config.kv_reserve_ratio,
+                min_kv_reserve_ratio=0.1 * config.kv_reserve_ratio,
+            ),
             self.blocks,
             self.adapters,
         )

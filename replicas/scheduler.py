@@ -30,6 +30,17 @@ at most one step, which is what waiting a step would cost the new request. Any c
 at once when nothing else runs. The rule bounds copies the prefetcher started ahead of
 admission; without the prefetcher (overlap mode) a copy starts at admission and the step
 absorbs it.
+
+KV headroom. Running requests grow by a token a step, and when the cache runs out the newest is
+preempted and later recomputed from scratch: its prefill is wasted, and under a steady overload
+admitting newcomers into a nearly full cache turns into a cycle of preemptions. So a waiting
+request is admitted only if, after its blocks, the free blocks still cover `reserve_ratio` of
+the tokens the running requests may yet add (their remaining prompt in full, their remaining
+`max_tokens` times the ratio). The ratio starts at `kv_reserve_ratio`, shrinks a little every
+step without a preemption down to `min_kv_reserve_ratio` (requests rarely use all their
+`max_tokens`, so a full reservation would leave the cache idle), and returns to
+`kv_reserve_ratio` at each preemption. With nothing running, a request is admitted whenever its
+first chunk fits, so the engine always makes progress. A ratio of 0 turns the reservation off.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from replicas.kv_cache import BlockAllocator
+from replicas.kv_cache import BlockAllocator, blocks_for
 from replicas.request import Request, RequestStatus
 
 
@@ -76,6 +87,15 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    kv_reserve_ratio: float = 0.5  # KV headroom for running requests' outputs, after a preemption
+    min_kv_reserve_ratio: float = 0.05  # ... decaying to this while no preemption happens
+    kv_reserve_decay: float = 0.002  # per step
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_kv_reserve_ratio <= self.kv_reserve_ratio <= 1.0:
+            raise ValueError("need 0 <= min_kv_reserve_ratio <= kv_reserve_ratio <= 1")
+        if self.kv_reserve_decay < 0:
+            raise ValueError("kv_reserve_decay cannot be negative")
 
 
 @dataclass(frozen=True)
@@ -115,6 +135,7 @@ class Scheduler:
         self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserve_ratio = config.kv_reserve_ratio  # runtime value: see "KV headroom" above
 
     @property
     def has_work(self) -> bool:
@@ -161,12 +182,31 @@ class Scheduler:
             else:
                 out.seqs.append(ScheduledSeq(request, n))
                 budget -= n
-        if not out.preempted:
+        cfg = self.config
+        if out.preempted:
+            self.reserve_ratio = cfg.kv_reserve_ratio
+        else:
+            self.reserve_ratio = max(cfg.min_kv_reserve_ratio,
+                                     self.reserve_ratio - cfg.kv_reserve_decay)
             budget = self._admit(out, budget)
         return out
 
+    def _future_blocks(self, request: Request, scheduled: int) -> float:
+        """KV blocks `request` may still need beyond what it holds once `scheduled` tokens of
+        this step are in: the rest of its prompt in full, its remaining output scaled by the
+        reserve ratio."""
+        prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens - scheduled)
+        final = min(request.num_prompt_tokens + request.sampling.max_tokens,
+                    self.config.max_model_len)
+        output_left = max(0, final - max(request.num_tokens,
+                                         request.num_computed_tokens + scheduled))
+        tokens = prompt_left + self.reserve_ratio * max(0, output_left - prompt_left)
+        return tokens / self.blocks.block_size
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         slot_blocked = False
+        scheduled = {id(s.request): s.num_new_tokens for s in out.seqs}
+        reserve = sum(self._future_blocks(r, scheduled.get(id(r), 0)) for r in self.running)
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -190,9 +230,15 @@ class Scheduler:
                     continue
                 request.slot = slot
             n = min(request.num_pending_tokens, budget)
+            held = len(request.block_table)
+            need = blocks_for(request.num_computed_tokens + n, self.blocks.block_size) - held
+            if self.running and self.blocks.num_free - need < reserve:
+                self._release_slot(request)
+                break  # the running requests' headroom comes first
             if not self.blocks.grow(request.block_table, request.num_computed_tokens + n):
                 self._release_slot(request)
                 break
+            reserve += self._future_blocks(request, n)
             self.waiting.remove(request)
             if request.admitted_at is None:
                 request.admitted_at = time.monotonic()

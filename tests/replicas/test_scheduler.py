@@ -49,9 +49,10 @@ class FakeGate:
         self.holds[adapter] -= 1
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, gate=None):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, gate=None,
+                   **config):
     blocks = BlockAllocator(num_blocks, block_size)
-    config = SchedulerConfig(max_num_seqs, budget, max_model_len=1024)
+    config = SchedulerConfig(max_num_seqs, budget, max_model_len=1024, **config)
     return Scheduler(config, blocks, gate or FakeGate()), blocks
 
 
@@ -173,8 +174,10 @@ class TestScheduling:
 
 class TestPreemption:
     def test_newest_request_is_preempted_when_blocks_run_out(self):
-        # 6 blocks of 4 tokens; two 8-token prompts take 4 blocks, decoding needs more.
-        s, blocks = make_scheduler(num_blocks=6, block_size=4)
+        # 6 blocks of 4 tokens; two 8-token prompts take 4 blocks, decoding needs more. No KV
+        # headroom kept, so both are admitted at once.
+        s, blocks = make_scheduler(num_blocks=6, block_size=4, kv_reserve_ratio=0.0,
+                                   min_kv_reserve_ratio=0.0)
         s.add(req("old", n_prompt=8, max_tokens=20))
         s.add(req("new", n_prompt=8, max_tokens=20))
         preempted = []
@@ -188,7 +191,8 @@ class TestPreemption:
         assert len(old.output_token_ids) == 10
 
     def test_preempted_request_recomputes_its_outputs(self):
-        s, blocks = make_scheduler(num_blocks=5, block_size=4)
+        s, blocks = make_scheduler(num_blocks=5, block_size=4, kv_reserve_ratio=0.0,
+                                   min_kv_reserve_ratio=0.0)
         s.add(req("a", n_prompt=8, max_tokens=6))
         s.add(req("b", n_prompt=8, max_tokens=6))
         for _ in range(40):
@@ -197,6 +201,86 @@ class TestPreemption:
             run_step(s)
             assert_no_block_overlap(s, blocks)
         assert not s.has_work and blocks.num_free == 5
+
+
+def run_to_completion(s: Scheduler, blocks: BlockAllocator, arrivals: dict[int, list[Request]],
+                      max_steps: int = 5000) -> tuple[int, int]:
+    """Steps until every request finished (requests join at their step); returns the tokens
+    computed (prompts recomputed after a preemption included) and the preemptions."""
+    preemptions = computed = 0
+    for step in range(max_steps):
+        for r in arrivals.get(step, []):
+            s.add(r)
+        if not s.has_work and step > max(arrivals):
+            return computed, preemptions
+        out = run_step(s)
+        preemptions += len(out.preempted)
+        computed += out.num_tokens
+        assert_no_block_overlap(s, blocks)
+    raise AssertionError("requests did not finish")
+
+
+class TestKvHeadroom:
+    def test_a_newcomer_waits_rather_than_crowd_out_running_outputs(self):
+        # Each request grows to 5 of the 6 blocks: admitted together, one is preempted. With
+        # the whole remaining output reserved, the newcomer waits for the first to finish.
+        for ratio, expect_preemptions in ((0.0, True), (1.0, False)):
+            s, blocks = make_scheduler(num_blocks=6, block_size=4, kv_reserve_ratio=ratio,
+                                       min_kv_reserve_ratio=ratio)
+            s.add(req("old", n_prompt=8, max_tokens=12))
+            s.add(req("new", n_prompt=8, max_tokens=12))
+            _, preemptions = run_to_completion(s, blocks, {0: []})
+            assert (preemptions > 0) == expect_preemptions
+            assert blocks.num_free == 6
+
+    def test_ample_cache_admits_everyone_at_once(self):
+        s, _ = make_scheduler(num_blocks=256, block_size=4, budget=64)
+        for i in range(8):
+            s.add(req(f"r{i}", n_prompt=6, max_tokens=16))
+        assert len(s.schedule().seqs) == 8
+
+    def test_an_idle_engine_admits_a_request_larger_than_its_reservation(self):
+        # 4 blocks hold the prompt but not the 100 tokens it may produce: it runs anyway.
+        s, blocks = make_scheduler(num_blocks=4, block_size=4)
+        s.add(req("big", n_prompt=8, max_tokens=100))
+        assert [seq.request.request_id for seq in s.schedule().seqs] == ["big"]
+
+    def test_ratio_decays_without_preemption_and_resets_on_one(self):
+        s, blocks = make_scheduler(num_blocks=6, block_size=4, kv_reserve_ratio=0.5,
+                                   min_kv_reserve_ratio=0.1, kv_reserve_decay=0.1)
+        s.add(req("a", n_prompt=4, max_tokens=2))
+        for _ in range(3):
+            run_step(s)
+        assert s.reserve_ratio == pytest.approx(0.2)
+        for _ in range(5):
+            run_step(s)
+        assert s.reserve_ratio == pytest.approx(0.1)  # the floor
+        s.add(req("b", n_prompt=8, max_tokens=20))
+        s.add(req("c", n_prompt=8, max_tokens=20))
+        preempted = False
+        while not preempted:
+            preempted = bool(run_step(s).preempted)
+        assert s.reserve_ratio == 0.5
+
+    def test_steady_overload_preempts_less_and_everyone_finishes(self):
+        # A request every other step, each growing to 40 tokens, into 40 blocks of 4.
+        def arrivals():
+            return {2 * i: [req(f"r{i}", n_prompt=12, max_tokens=28)] for i in range(40)}
+
+        results = {}
+        for name, ratio in (("none", 0.0), ("headroom", 0.5)):
+            s, blocks = make_scheduler(num_blocks=40, block_size=4, budget=64,
+                                       kv_reserve_ratio=ratio, min_kv_reserve_ratio=ratio * 0.1)
+            results[name] = run_to_completion(s, blocks, arrivals())
+        computed_none, preempted_none = results["none"]
+        computed_headroom, preempted_headroom = results["headroom"]
+        assert preempted_none > 0
+        assert preempted_headroom < preempted_none / 2
+        assert computed_headroom < computed_none  # less prefill thrown away and recomputed
+
+    def test_config_refuses_a_floor_above_the_ratio(self):
+        with pytest.raises(ValueError):
+            SchedulerConfig(4, 32, 128, kv_reserve_ratio=0.1, min_kv_reserve_ratio=0.2)
 
 
 class TestAdapterAdmission:
