@@ -2,19 +2,23 @@
 GPU-slot hit rate, load imbalance and simulated TTFT, for our affinity policy against Ray Serve's
 default (power of two choices with multiplexing), round robin and a consistent-hash ring.
 
-    python -m benchmarks.bench_router_sim            # headline + grid, about 5 min on 2 cores
-    python -m benchmarks.bench_router_sim --quick    # fewer requests, for a smoke run
+    python -m benchmarks.bench_router_sim            # all of it: about 10 min, --workers 1
+    python -m benchmarks.bench_router_sim --quick    # fewer requests and seeds, for a smoke run
     python -m benchmarks.bench_router_sim --hints    # router-fed prefetch hints, about 3 min
 
-Writes benchmarks/results/router_sim.{md,json}, or with `--hints` router_hints.{md,json}: affinity
-with prefetch hints against affinity and pow2 without, with a dispatch delay and requests held in
-the caller at `max_ongoing_requests`. CPU only: no GPU is involved.
+Writes benchmarks/results/router_sim.{md,json}: the headline, a sensitivity run and the grid in one
+table, then small fleets (2 and 4 replicas, 64 adapters, light load, several seeds) in a section
+of their own; or with `--hints` router_hints.{md,json}: affinity with prefetch hints against
+affinity and pow2 without, with a dispatch delay and requests held in the caller at
+`max_ongoing_requests`. CPU only: no GPU is involved.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -58,7 +62,12 @@ WORKLOADS = {
 def run_one(job: tuple[str, str, SimConfig]) -> dict:
     tag, policy, config = job
     result: SimResult = simulate(config, lambda i: make_policy(policy, i), policy)
-    return {"set": tag, **result.as_dict()}
+    return {
+        "set": tag,
+        "seed": config.seed,
+        "load_fraction": config.load_fraction,
+        **result.as_dict(),
+    }
 
 
 def run_hinted(job: tuple[str, str, SimConfig]) -> dict:
@@ -144,6 +153,151 @@ def headline_summary(rows: list[dict]) -> dict:
         "best_other_ttft_p99_s": round(min(r["ttft_p99_s"] for r in others), 3),
         "ttft_p99_best": all(ours["ttft_p99_s"] < r["ttft_p99_s"] for r in others),
     }
+
+
+# -- small fleets ------------------------------------------------------------------------------
+
+# The regime of a run on 2 GPUs (results/router_serve_2x_64a_r16_s8_skewed.md): 2 replicas, 64
+# adapters over 8 slots each, about 2 requests in flight per replica (10% of nominal capacity
+# here), outputs of 32-96 tokens. With so few replicas, where the hottest adapters' hash homes
+# fall decides the balance, and a few requests are a large share of a replica's load.
+SMALL_POLICIES = ["affinity", "pow2"]
+SMALL_WORKLOADS = {"skewed0.7": Workload("skewed", 0.7), "uniform": WORKLOADS["uniform"]}
+SMALL_REPLICAS = (2, 4)
+SMALL_LOADS = (0.1, 0.3, 0.5)
+SMALL_COLUMNS = [
+    "num_replicas",
+    "workload",
+    "load_fraction",
+    "policy",
+    "seeds",
+    "hit_rate",
+    "loads_per_1k",
+    "loads_vs_pow2",
+    "imbalance_requests",
+    "imbalance_queue",
+    "ttft_p50_s",
+    "ttft_p99_s",
+]
+SMALL_MEANS = ["hit_rate", "loads_per_1k", "imbalance_requests", "imbalance_queue"]
+SMALL_MEANS += ["ttft_p50_s", "ttft_p99_s"]
+
+
+def small_seeds(quick: bool) -> range:
+    # Loads per 1k requests are in the tens here, and where the hottest adapters' hash homes
+    # fall changes with the seed: 8 seeds leave the affinity/pow2 ratio uncertain by about 5%.
+    return range(3 if quick else 16)
+
+
+def small_jobs(quick: bool) -> list[tuple[str, str, SimConfig]]:
+    base = SimConfig(
+        num_adapters=64,
+        num_slots=8,
+        host_capacity=64,
+        output_tokens=(32, 96),
+        num_requests=2000 if quick else 8000,
+    )
+    return [
+        (
+            "small",
+            policy,
+            replace(base, num_replicas=r, workload=w, load_fraction=load, seed=seed),
+        )
+        for r, w, load in itertools.product(SMALL_REPLICAS, SMALL_WORKLOADS.values(), SMALL_LOADS)
+        for seed in small_seeds(quick)
+        for policy in SMALL_POLICIES
+    ]
+
+
+def small_cells(rows: list[dict]) -> list[dict]:
+    """Per (replicas, workload, load, policy): the mean over seeds of each metric, and
+    loads_vs_pow2 = mean loads / pow2's mean loads in the same cell."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["num_replicas"], r["workload"], r["load_fraction"], r["policy"])
+        groups.setdefault(key, []).append(r)
+    cells = []
+    for (replicas, workload, load, policy), group in groups.items():
+        cell = {
+            "num_replicas": replicas,
+            "workload": workload,
+            "load_fraction": load,
+            "policy": policy,
+            "seeds": len(group),
+        }
+        cell.update({k: statistics.fmean(r[k] for r in group) for k in SMALL_MEANS})
+        cells.append(cell)
+    pow2 = {
+        (c["num_replicas"], c["workload"], c["load_fraction"]): c["loads_per_1k"]
+        for c in cells
+        if c["policy"] == "pow2"
+    }
+    for c in cells:
+        base = pow2.get((c["num_replicas"], c["workload"], c["load_fraction"]))
+        if base:
+            c["loads_vs_pow2"] = c["loads_per_1k"] / base
+    return cells
+
+
+def small_summary(cells: list[dict]) -> dict:
+    """Per workload, over every (replicas, load) cell: affinity's loads against pow2's (ratio of
+    the sums) and the mean request imbalance of each."""
+    out = {}
+    for workload in dict.fromkeys(c["workload"] for c in cells):
+        by = {
+            p: [c for c in cells if c["workload"] == workload and c["policy"] == p]
+            for p in SMALL_POLICIES
+        }
+        loads = {p: sum(c["loads_per_1k"] for c in by[p]) for p in by}
+        imbalance = {p: statistics.fmean(c["imbalance_requests"] for c in by[p]) for p in by}
+        out[workload] = {
+            "loads_vs_pow2": round(loads["affinity"] / loads["pow2"], 3),
+            "imbalance_requests_affinity": round(imbalance["affinity"], 3),
+            "imbalance_requests_pow2": round(imbalance["pow2"], 3),
+            "loads_at_most_pow2": loads["affinity"] <= loads["pow2"],
+            "imbalance_at_most_pow2": imbalance["affinity"] <= imbalance["pow2"],
+        }
+    return out
+
+
+def append_small_fleets(md: Path, rows: list[dict], quick: bool) -> None:
+    """Add the small-fleet section to the markdown written by `write_results`, and its rows
+    (per seed), cells (mean over seeds) and summary to the JSON beside it."""
+    cells = small_cells(rows)
+    summary = small_summary(cells)
+    config = small_jobs(quick)[0][2]
+    lines = [
+        "",
+        "## Small fleets",
+        "",
+        f"- model: 64 adapters, {config.num_slots} GPU slots and {config.host_capacity} host "
+        f"entries per replica, outputs {config.output_tokens[0]}-{config.output_tokens[1]} tokens,"
+        f" {config.num_requests} requests per run (first {config.warmup_fraction:.0%} not "
+        f"measured), {len(small_seeds(quick))} seeds per cell; skewed0.7 = geometric popularity, "
+        "adapter i weighs 0.7^i (benchmarks/loadgen/popularity.py's skewed); load_fraction 0.1 is "
+        "about 2 requests in flight per replica, as in router_serve_2x_64a_r16_s8_skewed.md",
+        "- goal: affinity makes no more adapter loads than pow2 and balances requests over "
+        "replicas at least as well (imbalance_requests = max/mean of requests per replica)",
+        f"- summary (over the 6 cells of each workload): {summary}",
+        "- each row: mean over seeds; loads_vs_pow2 = loads / pow2's loads in the same cell",
+        "",
+        "| " + " | ".join(SMALL_COLUMNS) + " |",
+        "|" + " --- |" * len(SMALL_COLUMNS),
+    ]
+    lines += ["| " + " | ".join(_cell(c.get(k)) for k in SMALL_COLUMNS) + " |" for c in cells]
+    with md.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    path = md.with_suffix(".json")
+    data = json.loads(path.read_text())
+    data["small_fleet"] = {"summary": summary, "cells": cells, "rows": rows}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _cell(v: object) -> str:
+    # As benchmarks/common.py writes its tables: 3 significant digits below 100.
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)
 
 
 # -- router-fed prefetch hints ------------------------------------------------------------------
@@ -289,7 +443,8 @@ def main() -> None:
         path = write_hints(rows, args.out, args.quick, time.perf_counter() - start)
         print(path.read_text())
         return
-    rows = run_all(run_one, jobs(args.quick), args.workers)
+    everything = run_all(run_one, jobs(args.quick) + small_jobs(args.quick), args.workers)
+    rows = [r for r in everything if r["set"] != "small"]
     wall = time.perf_counter() - start
     defaults = SimConfig()
     summary = headline_summary(rows)
@@ -323,6 +478,7 @@ def main() -> None:
             "wall_s": round(wall, 1),
         },
     )
+    append_small_fleets(path, [r for r in everything if r["set"] == "small"], args.quick)
     print(path.read_text())
 
 

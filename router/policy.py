@@ -9,9 +9,12 @@ order and a tier of several leaves the choice among them to queue length.
 
 `AffinityPolicy` places an adapter where it already is (GPU slot, loading, host memory), breaks
 ties by rendezvous hashing so every router instance picks the same home for a cold adapter,
-widens an adapter's home to more replicas while its demand exceeds one replica's share, and
-never ranks a replica loaded beyond `imbalance_bound` × the fleet mean ahead of one that is not
-(consistent hashing with bounded loads, applied to the adapter's placement order).
+widens an adapter's home to more replicas while its demand exceeds one replica's share, lets
+replicas that already hold the adapter take its requests when they are less loaded than its
+home, sends a cold adapter to the less loaded of its two hash choices when its first is clearly
+busier, and never ranks a replica loaded beyond `imbalance_bound` × the fleet mean (or
+`load_slack` above it) ahead of one that is not (consistent hashing with bounded loads, applied
+to the adapter's placement order).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class RoutingPolicy(Protocol):
 # a keyed digest from hashlib is the same everywhere.
 
 _MASK64 = (1 << 64) - 1
+_RESCALE_AT = 2.0**40  # AffinityPolicy's share weights are rescaled before they grow past this
 
 
 def stable_hash(key: str) -> int:
@@ -138,11 +142,26 @@ class AffinityPolicy:
     3. A replica is overloaded when load + 1 > max(imbalance_bound × m, m + load_slack), m being
        the mean load counting the request being placed; overloaded replicas go last, in
        placement order among themselves.
-    4. `a`'s home is the first k non-overloaded replicas of the placement order, with
-       k = ceil(outstanding(a) / spread_threshold): one tier, balanced by queue length. As
+    4. `a`'s home is the first k non-overloaded replicas of the placement order: one tier,
+       balanced by queue length. k is the larger of ceil(outstanding(a) / spread_threshold),
+       which follows bursts, and ceil(n × share(a) / spread_share), share(a) being `a`'s share
+       of the requests this policy routed recently: an adapter carrying more than
+       `spread_share` of one replica's fair share of the traffic is spread before its home
+       piles up, even at light load where outstanding requests are too few to show it. As
        demand falls k shrinks and replicas past the home stop receiving `a`, so its slots there
        age out.
-    5. The remaining non-overloaded replicas follow one per tier, in placement order: overflow
+    5. Copies: the other non-overloaded replicas that hold `a` (GPU or loading) and are less
+       loaded than every replica of the home join the home's tier. A copy made by a burst or an
+       overflow then evens out the load for as long as it stays resident, instead of aging out
+       and being loaded again at the next burst; it costs no load, and the home keeps the ties.
+    6. Cold: when no non-overloaded replica holds `a` (the best tier is HOST or worse) and
+       k = 1, the home is the better of two hash choices, the first two non-overloaded replicas
+       of that best tier: the first, unless its load exceeds the second's by more than
+       (imbalance_bound - 1) × the mean load. The load happens either way; this puts it where
+       it evens out the fleet, while every router instance still picks from the same two
+       (all least-loaded-anywhere would herd routers with stale views onto one replica, and
+       split a burst of one adapter's requests over several replicas, each loading it).
+    7. The remaining non-overloaded replicas follow one per tier, in placement order: overflow
        goes to the next replica that has `a`, else the next by hash, never to a random one.
 
     `adapter=None` (the base model) needs no slot: replicas are ranked by load alone.
@@ -156,35 +175,70 @@ class AffinityPolicy:
         *,
         imbalance_bound: float = 1.25,
         spread_threshold: float | None = None,
-        load_slack: float = 2.0,
+        load_slack: float = 8.0,
         tokens_per_request: float | None = None,
-        min_spread_threshold: float = 4.0,
+        min_spread_threshold: float = 6.0,
+        spread_share: float | None = 0.6,
+        share_half_life: int = 1024,
+        share_prior: int = 256,
     ) -> None:
         """
-        imbalance_bound: a replica whose load exceeds this multiple of the fleet mean (plus
-            `load_slack`) is demoted behind every replica that does not.
+        imbalance_bound: a replica whose load exceeds this multiple of the fleet mean (and the
+            mean plus `load_slack`) is demoted behind every replica that does not; also sets
+            how much busier a cold adapter's first hash choice may be than its second.
         spread_threshold: outstanding requests of one adapter per replica of its home; None
             adapts it to the fleet's mean load per replica (at least `min_spread_threshold`),
             so an adapter gets one replica per replica's worth of demand.
-        load_slack: additive room so that tiny loads (0 vs 1 request) never count as imbalance;
-            it stops mattering once the mean load exceeds load_slack / (imbalance_bound - 1).
+        load_slack: additive room, in requests, before a replica counts as overloaded; it stops
+            mattering once the mean load exceeds load_slack / (imbalance_bound - 1) (32 requests
+            with the defaults). At light load a few more requests on one replica cost far less
+            than the adapter loads that moving them causes: each overflow puts the adapter on a
+            replica that must load it (simulated, 2 replicas and 64 adapters at 10-50% load:
+            2 made about 3x the loads of 8).
         tokens_per_request: when set, load = max(queue_len, tokens_in_flight / this), which
             weighs long requests more than short ones; else load = queue_len.
+        min_spread_threshold: the adaptive threshold's floor. At light load a burst of a few
+            requests for one adapter is no reason to put it on a second replica: the copy
+            takes a slot there for as long as it stays in use (step 5).
+        spread_share: an adapter gets one home replica per this fraction of a replica's fair
+            share (1/n) of the recent traffic; None spreads by outstanding requests alone.
+            Below 1 so that a home replica keeps room for other adapters: with 2 replicas an
+            adapter taking more than 30% of the requests gets both.
+        share_half_life: routed requests after which a past request counts half in share(a).
+        share_prior: share(a) divides by at least this many requests (at most the weight of a
+            whole window), so the first few requests a router sees do not make their adapters
+            look hot.
         """
         if imbalance_bound < 1.0:
             raise ValueError("imbalance_bound below 1 would demote every replica")
         if spread_threshold is not None and spread_threshold <= 0:
             raise ValueError("spread_threshold must be positive")
+        if load_slack < 0:
+            raise ValueError("load_slack cannot be negative")
+        if spread_share is not None and spread_share <= 0:
+            raise ValueError("spread_share must be positive")
+        if share_half_life < 1 or share_prior < 1:
+            raise ValueError("share_half_life and share_prior must be at least 1")
         self.imbalance_bound = imbalance_bound
         self.spread_threshold = spread_threshold
         self.load_slack = load_slack
         self.tokens_per_request = tokens_per_request
         self.min_spread_threshold = min_spread_threshold
+        self.spread_share = spread_share
         self._hrw = Rendezvous()
         # Requests this policy sent and has not seen finish: per (adapter, replica) and per
         # adapter. The replica's stats arrive every period; this fills the gap.
         self._outstanding: dict[tuple[str, str], int] = defaultdict(int)
         self._demand: dict[str, int] = defaultdict(int)
+        # Routed requests per adapter, exponentially decayed per routed request. Rather than
+        # decaying every entry, each request adds a weight that grows by `_growth`; entries are
+        # rescaled (and the faded ones dropped) before the weight gets large.
+        self._growth = 2.0 ** (1.0 / share_half_life)
+        self._weight = 1.0
+        # The prior never exceeds what a full window adds up to: 1 + 1/g + 1/g² + ...
+        self._prior = min(float(share_prior), self._growth / (self._growth - 1.0))
+        self._recent: dict[str, float] = defaultdict(float)
+        self._recent_total = 0.0
 
     # -- own record ---------------------------------------------------------------------------
 
@@ -193,6 +247,20 @@ class AffinityPolicy:
             return
         self._outstanding[adapter, replica_id] += 1
         self._demand[adapter] += 1
+        self._weight *= self._growth
+        self._recent[adapter] += self._weight
+        self._recent_total += self._weight
+        if self._weight > _RESCALE_AT:
+            self._rescale()
+
+    def _rescale(self) -> None:
+        # Back to a weight of 1: entries become counts of recent requests, and those that have
+        # faded below a hundredth of one are forgotten.
+        w = self._weight
+        recent = {a: c / w for a, c in self._recent.items() if c / w >= 0.01}
+        self._recent = defaultdict(float, recent)
+        self._recent_total /= w
+        self._weight = 1.0
 
     def on_finished(self, adapter: str | None, replica_id: str) -> None:
         if adapter is None:
@@ -210,6 +278,13 @@ class AffinityPolicy:
     def demand(self, adapter: str) -> int:
         """Outstanding requests for `adapter` that this policy routed."""
         return self._demand.get(adapter, 0)
+
+    def share(self, adapter: str) -> float:
+        """`adapter`'s share of the requests this policy routed recently (decayed with
+        `share_half_life`, over at least `share_prior` requests or the whole window if that is
+        shorter): between 0 and 1."""
+        total = max(self._recent_total, self._prior * self._weight)
+        return self._recent.get(adapter, 0.0) / total
 
     # -- ranking ------------------------------------------------------------------------------
 
@@ -231,11 +306,15 @@ class AffinityPolicy:
         return Tier.EVICT
 
     def num_home(self, adapter: str, mean_load: float, n: int) -> int:
-        """How many replicas `adapter`'s demand (counting the request being routed) needs."""
+        """How many replicas `adapter`'s demand (counting the request being routed) and its
+        recent share of the traffic need."""
         threshold = self.spread_threshold
         if threshold is None:
             threshold = max(self.min_spread_threshold, mean_load)
-        return max(1, min(n, math.ceil((self.demand(adapter) + 1) / threshold)))
+        k = math.ceil((self.demand(adapter) + 1) / threshold)
+        if self.spread_share is not None:
+            k = max(k, math.ceil(n * self.share(adapter) / self.spread_share))
+        return max(1, min(n, k))
 
     def rank(self, adapter: str | None, replicas: Sequence[ReplicaView]) -> list[list[str]]:
         n = len(replicas)
@@ -259,18 +338,42 @@ class AffinityPolicy:
             return [[rid] for rid in sorted(hrw, key=lambda r: (loads[r], pos[r]))]
 
         # Placement order: bucket by tier, each bucket already in rendezvous order.
+        tier = {rid: self.tier(adapter, by_id[rid]) for rid in hrw}
         buckets: list[list[str]] = [[] for _ in Tier]
         for rid in hrw:
-            buckets[self.tier(adapter, by_id[rid])].append(rid)
+            buckets[tier[rid]].append(rid)
         placement = [rid for bucket in buckets for rid in bucket]
 
         fit = [rid for rid in placement if loads[rid] + 1 <= bound]
         over = [rid for rid in placement if loads[rid] + 1 > bound]
+        if not fit:
+            return [[rid] for rid in over]
         k = self.num_home(adapter, mean, n)
-        tiers = [fit[:k]] if fit else []
-        tiers += [[rid] for rid in fit[k:]]
+        if k == 1 and tier[fit[0]] >= Tier.HOST:
+            home = [self._cold_home(fit, tier, loads, mean)]
+        else:
+            home = fit[:k]
+            least = min(loads[rid] for rid in home)
+            home += [rid for rid in fit[k:] if tier[rid] <= Tier.LOADING and loads[rid] < least]
+        in_home = set(home)
+        tiers = [home]
+        tiers += [[rid] for rid in fit if rid not in in_home]
         tiers += [[rid] for rid in over]
         return tiers
+
+    def _cold_home(
+        self, fit: list[str], tier: dict[str, Tier], loads: dict[str, float], mean: float
+    ) -> str:
+        """The home of an adapter no non-overloaded replica holds: the first of the best tier's
+        first two replicas in placement order, unless it is busier than the second by more
+        than (imbalance_bound - 1) × `mean` (see the class docstring, step 6)."""
+        first = fit[0]
+        second = next((rid for rid in fit[1:] if tier[rid] == tier[first]), None)
+        if second is None:
+            return first
+        if loads[first] > loads[second] + (self.imbalance_bound - 1) * mean:
+            return second
+        return first
 
 
 # ---------------------------------------------------------------------------------------------

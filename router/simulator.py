@@ -73,8 +73,10 @@ class Workload:
     """Which adapters requests name, and how fast they come.
 
     kind: "uniform" (every adapter equally likely), "zipf" (adapter of popularity rank i drawn
-    with weight 1/i^alpha), or "bursty" (`phases` equal spans, each a Zipf(alpha) over a fresh
-    random ranking of the adapters, the arrival rate alternating × (1 - burst, 1 + burst)).
+    with weight 1/i^alpha), "skewed" (geometric: rank i drawn with weight alpha^i, alpha in
+    (0, 1], as benchmarks/loadgen/popularity.py's "skewed"), or "bursty" (`phases` equal spans,
+    each a Zipf(alpha) over a fresh random ranking of the adapters, the arrival rate alternating
+    × (1 - burst, 1 + burst)).
     """
 
     kind: str = "zipf"
@@ -84,8 +86,10 @@ class Workload:
     base_fraction: float = 0.0  # share of requests for the base model (adapter None)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("uniform", "zipf", "bursty"):
+        if self.kind not in ("uniform", "zipf", "skewed", "bursty"):
             raise ValueError(f"unknown workload kind {self.kind!r}")
+        if self.kind == "skewed" and not 0 < self.alpha <= 1:
+            raise ValueError("a geometric (skewed) workload needs alpha in (0, 1]")
         if not 0 <= self.burst < 1:
             raise ValueError("burst must be in [0, 1)")
 
@@ -247,8 +251,12 @@ def generate_requests(config: SimConfig, rng: random.Random) -> list[_Request]:
         rng.shuffle(order)  # popularity is not tied to names, nor to the hash of names
         return order
 
-    def zipf_weights(alpha: float) -> list[float]:
-        return list(itertools.accumulate(1.0 / (i + 1) ** alpha for i in range(len(names))))
+    def cumulative_weights() -> list[float]:
+        if w.kind == "skewed":
+            weights = (w.alpha**i for i in range(len(names)))
+        else:
+            weights = (1.0 / (i + 1) ** w.alpha for i in range(len(names)))
+        return list(itertools.accumulate(weights))
 
     phases = w.phases if w.kind == "bursty" else 1
     per_phase = math.ceil(n / phases)
@@ -256,7 +264,7 @@ def generate_requests(config: SimConfig, rng: random.Random) -> list[_Request]:
     t = 0.0
     for phase in range(phases):
         order = ranking()
-        cum = None if w.kind == "uniform" else zipf_weights(w.alpha)
+        cum = None if w.kind == "uniform" else cumulative_weights()
         phase_rate = rate
         if w.kind == "bursty":
             phase_rate = rate * (1 - w.burst if phase % 2 == 0 else 1 + w.burst)

@@ -75,7 +75,8 @@ class TestImbalanceBound:
         assert ranked[-1] == "gpu"
 
     def test_replica_within_the_bound_keeps_its_place(self):
-        # 11 + 1 <= 1.25 × (77 + 1) / 8 ≈ 12.2, while 19 + 1 > 1.25 × (85 + 1) / 8 ≈ 13.4
+        # 11 + 1 <= (77 + 1) / 8 + 8 ≈ 17.8, while 19 + 1 > (85 + 1) / 8 + 8 ≈ 18.8
+        # (below a mean load of 32 the additive load_slack of 8 is the larger bound)
         replicas = [full("gpu", queue_len=11, gpu=frozenset({"a"}))]
         replicas += [full(rid, queue_len=10) for rid in ids(6)]
         replicas.append(full("other", queue_len=6))
@@ -91,6 +92,17 @@ class TestImbalanceBound:
     def test_rejects_a_bound_below_one(self):
         with pytest.raises(ValueError):
             AffinityPolicy(imbalance_bound=0.9)
+
+    def test_a_few_requests_more_at_light_load_move_nothing(self):
+        # 2 replicas, about 2 requests each: the one holding "a" is 5 requests busier than the
+        # other, which would have to load "a". A load costs more than 5 requests of queue.
+        replicas = [full("holder", queue_len=6, gpu=frozenset({"a"})), full("idle", queue_len=1)]
+        assert AffinityPolicy().rank("a", replicas)[0] == ["holder"]
+
+    def test_at_heavy_load_the_ratio_bounds_it(self):
+        # Mean 45: the slack of 8 is below 25% of it, so 1.25 × mean is the bound.
+        replicas = [full("holder", queue_len=60, gpu=frozenset({"a"})), full("other", queue_len=30)]
+        assert flat(AffinityPolicy().rank("a", replicas)) == ["other", "holder"]
 
 
 class TestColdPlacement:
@@ -109,6 +121,39 @@ class TestColdPlacement:
         homes = Counter(flat(policy.rank(f"adapter-{k}", replicas))[0] for k in range(2000))
         assert set(homes) == {v.replica_id for v in replicas}
         assert max(homes.values()) < 1.3 * 2000 / 8
+
+    def test_a_busier_first_hash_choice_gives_way_to_the_second(self):
+        replicas = [full(rid) for rid in ids(8)]
+        first, second = Rendezvous().order("cold", frozenset(ids(8)))[:2]
+        # Mean (7 × 10 + 14) / 8 = 10.5: the first choice is busier than the second by more
+        # than (1.25 - 1) × 10.5, yet within the bound.
+        busy = [full(v.replica_id, queue_len=14) if v.replica_id == first else v for v in replicas]
+        tiers = AffinityPolicy().rank("cold", busy)
+        assert tiers[0] == [second] and tiers[1] == [first]
+        assert_each_replica_once(tiers, busy)
+
+    def test_a_slightly_busier_first_hash_choice_keeps_it(self):
+        replicas = [full(rid) for rid in ids(8)]
+        first = Rendezvous().order("cold", frozenset(ids(8)))[0]
+        # 12 <= 10 + 0.25 × 10.25: not worth leaving the place every router instance agrees on.
+        busy = [full(v.replica_id, queue_len=12) if v.replica_id == first else v for v in replicas]
+        assert AffinityPolicy().rank("cold", busy)[0] == [first]
+
+    def test_only_the_two_hash_choices_are_considered(self):
+        # An idler third replica does not draw the adapter: routers with stale views would
+        # all send their cold adapters to the same least-loaded replica.
+        order = Rendezvous().order("cold", frozenset(ids(8)))
+        loads = dict.fromkeys(ids(8), 10) | {order[0]: 16, order[1]: 12, order[2]: 0}
+        replicas = [full(rid, queue_len=q) for rid, q in loads.items()]
+        assert AffinityPolicy().rank("cold", replicas)[0] == [order[1]]
+
+    def test_a_replica_with_a_free_slot_beats_a_home_that_must_evict(self):
+        home = Rendezvous().order("cold", frozenset(ids(4)))[0]
+        replicas = [
+            full(rid) if rid == home else ReplicaView(rid, free_slots=1, queue_len=10)
+            for rid in ids(4)
+        ]
+        assert home not in AffinityPolicy().rank("cold", replicas)[0]
 
     def test_removing_a_replica_moves_only_its_own_adapters(self):
         hrw = Rendezvous()
@@ -149,6 +194,92 @@ class TestSpreading:
         for _ in range(50):
             policy.on_routed("hot", home)
         assert len(policy.rank("hot", replicas)[0]) == 3  # ceil(51 / 20)
+
+
+class TestCopies:
+    """Replicas that already hold the adapter relieve its home when they are less loaded."""
+
+    def setup_method(self):
+        self.home, self.copy = Rendezvous().order("a", frozenset(ids(4)))[:2]
+
+    def views(self, home_load: int, copy_load: int) -> list[ReplicaView]:
+        loads = dict.fromkeys(ids(4), 10) | {self.home: home_load, self.copy: copy_load}
+        holders = {self.home, self.copy}
+        return [
+            full(rid, queue_len=q, gpu=frozenset({"a"}) if rid in holders else frozenset())
+            for rid, q in loads.items()
+        ]
+
+    def test_a_less_loaded_copy_joins_the_home_tier(self):
+        tiers = AffinityPolicy().rank("a", self.views(home_load=12, copy_load=9))
+        assert sorted(tiers[0]) == sorted([self.home, self.copy])
+        assert_each_replica_once(tiers, self.views(12, 9))
+
+    def test_an_equally_loaded_copy_leaves_the_home_alone(self):
+        assert AffinityPolicy().rank("a", self.views(home_load=10, copy_load=10))[0] == [self.home]
+
+    def test_a_copy_is_never_a_reason_to_load_elsewhere(self):
+        # Replicas without "a" never join the home tier, however idle.
+        views = self.views(home_load=12, copy_load=11)
+        views = [v if v.gpu else full(v.replica_id, queue_len=0) for v in views]
+        assert set(AffinityPolicy().rank("a", views)[0]) <= {self.home, self.copy}
+
+
+class TestSpreadByShare:
+    """An adapter's recent share of the traffic sets a floor on its home's size, so the hottest
+    adapters do not pile onto their hash homes at light load."""
+
+    def route(self, policy: AffinityPolicy, adapter: str) -> None:
+        # Light load: each request finishes before the next, so outstanding stays at zero.
+        policy.on_routed(adapter, "replica-000")
+        policy.on_finished(adapter, "replica-000")
+
+    def test_a_hot_adapter_gets_every_replica_of_a_small_fleet(self):
+        policy = AffinityPolicy()
+        replicas = [full(rid, queue_len=1) for rid in ids(2)]
+        for i in range(1000):
+            self.route(policy, "hot" if i % 5 < 2 else f"cold-{i}")  # "hot": 40%
+        assert policy.demand("hot") == 0
+        assert policy.share("hot") == pytest.approx(0.4, abs=0.02)
+        assert sorted(policy.rank("hot", replicas)[0]) == ids(2)
+        assert len(policy.rank("cold-3", replicas)[0]) == 1
+
+    def test_an_adapter_within_its_share_keeps_one_home(self):
+        policy = AffinityPolicy()
+        replicas = [full(rid, queue_len=1) for rid in ids(2)]
+        for i in range(1000):
+            self.route(policy, "warm" if i % 4 == 0 else f"cold-{i}")  # 25% of 2 replicas
+        assert len(policy.rank("warm", replicas)[0]) == 1
+
+    def test_the_share_fades_once_the_adapter_cools(self):
+        policy = AffinityPolicy(share_half_life=100)
+        for i in range(500):
+            self.route(policy, "hot" if i % 2 else f"cold-{i}")
+        hot = policy.share("hot")
+        for i in range(200):
+            self.route(policy, f"later-{i}")
+        assert policy.share("hot") == pytest.approx(hot / 4, rel=0.05)  # two half-lives
+
+    def test_a_few_first_requests_do_not_look_hot(self):
+        policy = AffinityPolicy()
+        for _ in range(10):
+            self.route(policy, "a")
+        assert policy.share("a") == pytest.approx(10 / 256, rel=0.01)
+
+    def test_shares_survive_rescaling(self):
+        # Long enough for the weights to be rescaled several times (every 40 half-lives).
+        policy = AffinityPolicy(share_half_life=8)
+        for i in range(3000):
+            self.route(policy, "hot" if i % 2 else f"cold-{i % 7}")
+        assert 0 < sum(policy.share(f"cold-{k}") for k in range(7)) <= 1
+        assert policy.share("hot") == pytest.approx(0.5, abs=0.05)
+
+    def test_none_spreads_by_outstanding_requests_alone(self):
+        policy = AffinityPolicy(spread_share=None)
+        replicas = [full(rid, queue_len=1) for rid in ids(2)]
+        for _ in range(1000):
+            self.route(policy, "hot")
+        assert len(policy.rank("hot", replicas)[0]) == 1
 
 
 class TestBaseModel:

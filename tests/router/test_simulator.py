@@ -1,16 +1,19 @@
 """The routing simulator: determinism, conservation, the slot invariant, that affinity is worth
-something on a skewed workload, and router-fed prefetch hints (load before arrival, never evicting
-what is needed sooner, less adapter wait). Small fleets, so the whole file runs in seconds."""
+something on a skewed workload, also on a fleet of 2 replicas at light load, and router-fed
+prefetch hints (load before arrival, never evicting what is needed sooner, less adapter wait).
+Small fleets, so the whole file runs in seconds."""
 
 from __future__ import annotations
 
 import math
+import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
 from router.policy import AffinityPolicy, PowerOfTwoPolicy, RoundRobinPolicy
-from router.simulator import SimConfig, Simulation, Workload, simulate
+from router.simulator import SimConfig, Simulation, Workload, generate_requests, simulate
 
 SMALL = SimConfig(
     num_replicas=8,
@@ -96,6 +99,68 @@ class TestAffinityPaysOff:
         pow2 = simulate(SMALL, lambda i: PowerOfTwoPolicy(seed=i))
         assert ours.ttft_p99_s < pow2.ttft_p99_s
         assert ours.imbalance_queue <= 1.25
+
+
+class TestSkewedWorkload:
+    def test_geometric_popularity(self):
+        config = replace(
+            SMALL, num_adapters=64, num_requests=20_000, workload=Workload("skewed", 0.7)
+        )
+        counts = sorted(
+            Counter(r.adapter for r in generate_requests(config, random.Random(0))).values()
+        )
+        top = counts[::-1]
+        assert top[0] / config.num_requests == pytest.approx(0.3, abs=0.015)  # 1 - 0.7
+        assert top[1] / top[0] == pytest.approx(0.7, abs=0.06)
+        assert config.workload.name == "skewed0.7"
+
+    def test_alpha_must_be_a_ratio(self):
+        with pytest.raises(ValueError):
+            Workload("skewed", 1.2)
+
+
+# 2 replicas, 64 adapters over 8 slots each, geometric popularity, light load: where the hottest
+# adapters' hash homes fall could make one replica serve most requests, and a tight load bound
+# turned that into adapter loads on the other (benchmarks/results/router_sim.md, small fleets).
+SMALL_FLEET = SimConfig(
+    num_replicas=2,
+    num_adapters=64,
+    num_requests=3000,
+    workload=Workload("skewed", 0.7),
+    num_slots=8,
+    host_capacity=64,
+    output_tokens=(32, 96),
+)
+
+
+class TestSmallFleetAtLightLoad:
+    @pytest.fixture(scope="class")
+    def runs(self) -> dict[str, list]:
+        configs = [
+            replace(SMALL_FLEET, load_fraction=load, seed=seed)
+            for load in (0.1, 0.3)
+            for seed in range(4)
+        ]
+        policies = {
+            "affinity": lambda i: AffinityPolicy(),
+            "pow2": lambda i: PowerOfTwoPolicy(seed=i),
+            "tight": lambda i: AffinityPolicy(load_slack=2),
+        }
+        return {name: [simulate(c, make) for c in configs] for name, make in policies.items()}
+
+    def test_no_replica_serves_much_more_than_its_share(self, runs):
+        assert max(r.imbalance_requests for r in runs["affinity"]) < 1.2
+        mean = sum(r.imbalance_requests for r in runs["affinity"]) / len(runs["affinity"])
+        assert mean <= sum(r.imbalance_requests for r in runs["pow2"]) / len(runs["pow2"]) + 0.02
+
+    def test_about_as_few_loads_as_pow2(self, runs):
+        # The benchmark holds the goal (no more than pow2) over more seeds and requests.
+        ours = sum(r.loads_per_1k for r in runs["affinity"])
+        assert ours <= 1.1 * sum(r.loads_per_1k for r in runs["pow2"])
+
+    def test_a_tight_load_bound_turns_noise_into_loads(self, runs):
+        ours = sum(r.loads_per_1k for r in runs["affinity"])
+        assert ours < 0.5 * sum(r.loads_per_1k for r in runs["tight"])
 
 
 # A request takes 50 ms from the router to the replica's queue: long enough for a hinted load
