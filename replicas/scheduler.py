@@ -39,8 +39,11 @@ the tokens the running requests may yet add (their remaining prompt in full, the
 `max_tokens` times the ratio). The ratio starts at `kv_reserve_ratio`, shrinks a little every
 step without a preemption down to `min_kv_reserve_ratio` (requests rarely use all their
 `max_tokens`, so a full reservation would leave the cache idle), and returns to
-`kv_reserve_ratio` at each preemption. With nothing running, a request is admitted whenever its
-first chunk fits, so the engine always makes progress. A ratio of 0 turns the reservation off.
+`kv_reserve_ratio` at each preemption. A request's remaining output counts at most
+RESERVE_CLIP_TOKENS: a request that names no `max_tokens` may run to the end of a long context,
+and reserving all of it would keep a long-context engine nearly empty. With nothing running, a
+request is admitted whenever its first chunk fits, so the engine always makes progress. A ratio
+of 0 turns the reservation off.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from typing import Protocol
 
 from replicas.kv_cache import BlockAllocator, blocks_for
 from replicas.request import Request, RequestStatus
+
+RESERVE_CLIP_TOKENS = 4096  # the most remaining output one request counts for (KV headroom)
 
 
 class AdapterLoadError(RuntimeError):
@@ -200,7 +205,8 @@ class Scheduler:
                     self.config.max_model_len)
         output_left = max(0, final - max(request.num_tokens,
                                          request.num_computed_tokens + scheduled))
-        tokens = prompt_left + self.reserve_ratio * max(0, output_left - prompt_left)
+        output_left = min(RESERVE_CLIP_TOKENS, max(0, output_left - prompt_left))
+        tokens = prompt_left + self.reserve_ratio * output_left
         return tokens / self.blocks.block_size
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:

@@ -239,6 +239,16 @@ class TestKvHeadroom:
             s.add(req(f"r{i}", n_prompt=6, max_tokens=16))
         assert len(s.schedule().seqs) == 8
 
+    def test_a_request_open_to_the_end_of_a_long_context_reserves_a_bounded_share(self):
+        # max_tokens left null runs to the end of the context (here 100k tokens): it must not
+        # hold the cache for itself. 2,000 blocks of 16: its reserve is capped well below that.
+        blocks = BlockAllocator(2000, 16)
+        s = Scheduler(SchedulerConfig(8, 4096, max_model_len=100_000), blocks, FakeGate())
+        s.add(req("open", n_prompt=64, max_tokens=100_000 - 64))
+        for i in range(7):
+            s.add(req(f"r{i}", n_prompt=64, max_tokens=64))
+        assert len(s.schedule().seqs) == 8
+
     def test_an_idle_engine_admits_a_request_larger_than_its_reservation(self):
         # 4 blocks hold the prompt but not the 100 tokens it may produce: it runs anyway.
         s, blocks = make_scheduler(num_blocks=4, block_size=4)
