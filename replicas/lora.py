@@ -258,4 +258,3 @@ def _set_element(dst: torch.Tensor, index: int, value: float) -> None:
         return
     src = torch.tensor([value], dtype=dst.dtype).pin_memory()
     dst[index : index + 1].copy_(src, non_blocking=True)
-

@@ -203,9 +203,9 @@ class Scheduler:
         prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens - scheduled)
         final = min(request.num_prompt_tokens + request.sampling.max_tokens,
                     self.config.max_model_len)
-        output_left = max(0, final - max(request.num_tokens,
-                                         request.num_computed_tokens + scheduled))
-        output_left = min(RESERVE_CLIP_TOKENS, max(0, output_left - prompt_left))
+        # num_tokens covers the whole prompt, so this counts output tokens alone
+        output_left = final - max(request.num_tokens, request.num_computed_tokens + scheduled)
+        output_left = min(RESERVE_CLIP_TOKENS, max(0, output_left))
         tokens = prompt_left + self.reserve_ratio * output_left
         return tokens / self.blocks.block_size
 
