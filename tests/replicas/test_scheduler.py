@@ -292,6 +292,13 @@ class TestKvHeadroom:
         with pytest.raises(ValueError):
             SchedulerConfig(4, 32, 128, kv_reserve_ratio=0.1, min_kv_reserve_ratio=0.2)
 
+    @pytest.mark.parametrize("ratio", [-0.1, 1.5])
+    def test_engine_config_refuses_a_ratio_outside_0_1(self, ratio):
+        from replicas.config import EngineConfig
+
+        with pytest.raises(ValueError, match="kv_reserve_ratio"):
+            EngineConfig(model="m", kv_reserve_ratio=ratio)
+
 
 class TestAdapterAdmission:
     def test_request_waits_for_a_slot_and_does_not_block_others(self):
