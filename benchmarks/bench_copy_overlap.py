@@ -82,11 +82,72 @@ def measure(adapter_mb: float) -> dict:
     }
 
 
+def host_issue(rank: int, slots: int = 3, repeats: int = 10) -> dict:
+    """Host time of `LoraWeightPool.write` (Llama-3-8B shape) on the load stream: alone, and
+    issued right after another adapter's write is queued there. The load path must never wait
+    on the host for earlier copies; if it did, the engine's step loop would stall for a copy."""
+    from replicas.adapters.loader import AdapterWeights
+    from replicas.lora import LoraWeightPool
+    from benchmarks.bench_decode_step import LLAMA3_8B
+
+    pool = LoraWeightPool(LLAMA3_8B, slots, rank, torch.bfloat16, torch.device("cuda"), "triton")
+    layers = tuple(torch.empty(pool._slot_bytes, dtype=torch.uint8).pin_memory()
+                   for _ in range(LLAMA3_8B.num_layers))
+    weights = [AdapterWeights(f"a{i}", rank, 2.0, {}, layers) for i in range(slots)]
+    load = torch.cuda.Stream()
+
+    def issue_ms(slot: int) -> float:
+        t0 = time.perf_counter()
+        pool.write(slot, weights[slot], stream=load)
+        return 1000 * (time.perf_counter() - t0)
+
+    alone, behind = [], []
+    for i in range(repeats + 2):
+        torch.cuda.synchronize()
+        a = issue_ms(0)
+        b = issue_ms(1 + i % (slots - 1))  # queued behind slot 0's copies
+        if i >= 2:  # warm-up: the caching host allocator and the events
+            alone.append(a)
+            behind.append(b)
+    torch.cuda.synchronize()
+    copy_ms = _latency_ms(lambda done: (pool.write(0, weights[0], stream=load),
+                                        done.record(load)))
+    del pool
+    torch.cuda.empty_cache()
+    return {
+        "adapter_MB": pool_mb(layers),
+        "copy_ms": copy_ms,
+        "host_issue_alone_ms": statistics.median(alone),
+        "host_issue_behind_copy_ms": statistics.median(behind),
+        "host_issue_behind_copy_max_ms": max(behind),
+    }
+
+
+def pool_mb(layers) -> float:
+    return sum(t.numel() for t in layers) / 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--sizes-mb", default="84,671")
+    ap.add_argument("--host-issue-ranks", default="16,128",
+                    help="also time LoraWeightPool.write on the host at these ranks")
     args = ap.parse_args()
+    if args.host_issue_ranks:
+        issue = [host_issue(int(r)) for r in args.host_issue_ranks.split(",")]
+        for row in issue:
+            print(row, flush=True)
+        write_results(
+            args.out,
+            "copy_host_issue",
+            "Host time to enqueue an adapter's write on the load stream, alone and behind "
+            "another adapter's queued copy (Llama-3-8B shape)",
+            "host_issue_behind_copy_ms against host_issue_alone_ms and copy_ms (same run): near "
+            "copy_ms would mean the host waited for the earlier copy",
+            list(issue[0]),
+            issue,
+        )
     rows = [measure(float(mb)) for mb in args.sizes_mb.split(",")]
     for row in rows:
         row["small_copy_delay_over_adapter_copy"] = (

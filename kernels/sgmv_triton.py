@@ -23,6 +23,12 @@ is (tile, column block); column blocks never cross a slice boundary, so slices o
 widths (GQA q/k/v) are one launch. The rank loop stops at the slot's true rank. Each y element is
 read, updated and written by exactly one program: deterministic, no atomics.
 
+A whole delta (`triton_apply`, the backend's `SgmvOps.fused`) is the same two launches, except
+that a tiling with `partials_to_expand` skips the shrink's reduction: the expand sums the float32
+split-K partials itself, in split order, and rounds them as the reducer would, so the result is
+the same bit for bit. On Hopper both kernels are launched with programmatic dependent launch
+(see `PDL` below).
+
 Rows of h for tokens outside every segment are unspecified (never written); the expand never
 reads them and never touches those rows of y. Inputs are float32, float16 or bfloat16;
 accumulation is float32.
@@ -36,6 +42,21 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (see `_pdl_enabled`)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAVE_GDC = True
+except ImportError:  # an older Triton: never launched with PDL, so these are never reached
+    _HAVE_GDC = False
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
 
 from kernels.launch import cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
@@ -162,14 +183,24 @@ def _sgmv_shrink_kernel(
     BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    REDUCE: tl.constexpr,  # split-K: sum the partials into h (else the expand sums them)
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
 ):
+    if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
+        gdc_launch_dependents()
     starts, ends, slots, tiles, tiles_incl = _segment_table(
         seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S, BLOCK_M
     )
     slot_ids = tl.arange(0, BLOCK_SLOTS)
     slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_ids < num_slots, other=0)
+    # Under PDL the previous kernel may still be running: x, h, the partials and the counters
+    # are its to write or read until `gdc_wait`. A one-step item loads its A block first, so
+    # the weight read overlaps that kernel; otherwise the wait comes before the first item.
+    if PDL and not PRELOAD_A:
+        gdc_wait()
     num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -194,12 +225,21 @@ def _sgmv_shrink_kernel(
             k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
             x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
             a_ptrs = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_k[None, :]
-            acc = _shrink_acc(x_ptrs, a_ptrs, row_mask, col_live,
-                              tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), k_lo, k_hi, K,
-                              BLOCK_K, EVEN_K, PRECISION)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if PRELOAD_A:
+                av = tl.load(a_ptrs + k_lo, mask=col_live[:, None], other=0.0)
+                gdc_wait()
+                xv = tl.load(x_ptrs + k_lo, mask=row_mask[:, None], other=0.0)
+                acc = _product(xv, av, acc, PRECISION)
+            else:
+                acc = _shrink_acc(x_ptrs, a_ptrs, row_mask, col_live, acc, k_lo, k_hi, K,
+                                  BLOCK_K, EVEN_K, PRECISION)
 
             if SPLIT_K == 1:
                 tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
+            elif not REDUCE:
+                part_rows = rows[:, None] * NUM_COLS + cols[None, :]
+                tl.store(part_ptr + ks * num_tokens * NUM_COLS + part_rows, acc, mask=out_mask)
             else:
                 part_rows = rows[:, None] * NUM_COLS + cols[None, :]
                 split_stride = num_tokens * NUM_COLS
@@ -220,14 +260,19 @@ def _sgmv_shrink_kernel(
                         )
                     tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
                     tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-        elif ks == 0:  # every column past the slot's rank: zeros, no weights read
+        elif ks == 0 and (SPLIT_K == 1 or REDUCE):  # every column past the slot's rank: zeros
+            # (no weights read; partials past the rank are never read, so none are written)
+            if PRELOAD_A:
+                gdc_wait()
             zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
             tl.store(h_ptrs, zeros, mask=out_mask)
+    if PRELOAD_A:  # a program without items still waits: no kernel ends before the one it follows
+        gdc_wait()
 
 
 @triton.jit
 def _sgmv_expand_kernel(
-    h_ptr,  # [T, NUM_SLICES * MAX_RANK]
+    h_ptr,  # [T, NUM_SLICES * MAX_RANK], or [H_SPLITS, T, NUM_SLICES * MAX_RANK] float32 partials
     b_ptr,  # [num_slots, O_4, MAX_RANK]
     y_ptr,  # [T, O_4]
     seg_indptr_ptr,
@@ -236,6 +281,7 @@ def _sgmv_expand_kernel(
     slot_scalings_ptr,
     num_segments,
     num_slots,
+    stride_hs,  # between partials (unused when H_SPLITS is 0)
     stride_ht,
     stride_bs,
     stride_bn,
@@ -255,8 +301,12 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     NUM_RB: tl.constexpr,  # rank blocks covering MAX_RANK
+    H_SPLITS: tl.constexpr,  # 0: h is the shrink's output; n: the sum of n split-K partials
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
+        gdc_launch_dependents()
     starts, ends, slots, tiles, tiles_incl = _segment_table(
         seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S, BLOCK_M
     )
@@ -264,6 +314,8 @@ def _sgmv_expand_kernel(
     slot_live = slot_ids < num_slots
     slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_live, other=0)
     slot_scales = tl.load(slot_scalings_ptr + slot_ids, mask=slot_live, other=0.0)
+    # Under PDL, h and y are the previous kernels' until `gdc_wait`: an item reads its first
+    # block of B before waiting, so the weight read overlaps the kernel before.
     num_items = tl.sum(tiles, axis=0) * NUM_NB
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -281,20 +333,32 @@ def _sgmv_expand_kernel(
             # Every load of the item is issued before the first product needs one.
             y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
             y_mask = row_mask[:, None] & col_mask[None, :]
-            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
             h_ptrs = h_ptr + rows[:, None] * stride_ht + (sl * MAX_RANK + offs_r)[None, :]
             b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn
             b_ptrs += offs_r[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
                 r_in = (rb * BLOCK_R + offs_r) < rank
-                hv = tl.load(h_ptrs + rb * BLOCK_R, mask=row_mask[:, None] & r_in[None, :],
-                             other=0.0)
                 bv = tl.load(b_ptrs + rb * BLOCK_R, mask=col_mask[:, None] & r_in[None, :],
                              other=0.0)
+                if rb == 0:
+                    if PDL:
+                        gdc_wait()
+                    yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+                h_mask = row_mask[:, None] & r_in[None, :]
+                if H_SPLITS == 0:
+                    hv = tl.load(h_ptrs + rb * BLOCK_R, mask=h_mask, other=0.0)
+                else:  # the shrink's split-K reduction, in split order (as its own reducer)
+                    total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    for s in tl.static_range(H_SPLITS):
+                        total += tl.load(h_ptrs + s * stride_hs + rb * BLOCK_R, mask=h_mask,
+                                         other=0.0)
+                    hv = total.to(b_ptr.dtype.element_ty)
                 acc = _product(hv, bv, acc, PRECISION)
             out = yv.to(tl.float32) + scale * acc
             tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    if PDL:  # a program without items still waits: no kernel ends before the one it follows
+        gdc_wait()
 
 
 def triton_shrink(
@@ -311,27 +375,39 @@ def triton_shrink(
     _check_batch(batch, num_tokens, x.device)
 
     h = x.new_empty(num_tokens, num_cols)
-    num_segments = batch.num_segments
-    if num_segments == 0:
-        return h
+    if batch.num_segments:
+        _launch_shrink(x, a, h, batch, max_rank, in_apply=False)
+    return h
 
-    plan = _shrink_plan(SHRINK_TABLE, num_tokens, hidden, num_cols, max_rank, num_segments,
-                        batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device))
+
+def _launch_shrink(x, a, h, batch: SgmvBatch, max_rank: int, in_apply: bool):
+    """Launch the shrink into `h`. Inside a whole delta (`in_apply`), a tiling with
+    `partials_to_expand` leaves its split-K partials for the expand to sum: they are returned
+    ([splits, T, n*R] float32), else None."""
+    num_tokens, hidden = x.shape
+    num_cols = a.shape[1]
+    pdl = _pdl_enabled(x.device)
+    plan = _shrink_plan(SHRINK_TABLE, num_tokens, hidden, num_cols, max_rank, batch.num_segments,
+                        batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device), in_apply,
+                        pdl)
+    reduce = plan.constants["REDUCE"]
+    part = None
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
                            device=x.device)
-        locks = _locks(x.device, plan.num_locks)
+        locks = _locks(x.device, plan.num_locks) if reduce else batch.seg_slots  # unused
     else:  # unused by the kernel
-        part, locks = h, batch.seg_slots
+        locks = batch.seg_slots
     _sgmv_shrink_kernel[plan.grid](
-        x, a, h, part, locks,
+        x, a, h, h if part is None else part, locks,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
-        num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
+        batch.num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
         x.stride(0), a.stride(0), a.stride(1), h.stride(0),
         **plan.constants,
         PRECISION=_precision(x.dtype),
+        **_launch_options(pdl),
     )
-    return h
+    return None if reduce else part
 
 
 def triton_expand(
@@ -352,21 +428,57 @@ def triton_expand(
     assert h.dtype == b.dtype == y.dtype and y.dtype in DTYPES, f"{h.dtype}/{b.dtype}/{y.dtype}"
     assert h.stride(1) == 1 and b.stride(2) == 1 and y.stride(1) == 1, "last dims contiguous"
     _check_batch(batch, num_tokens, y.device)
-    num_segments = batch.num_segments
-    if num_segments == 0:
-        return
+    if batch.num_segments:
+        _launch_expand(h, None, b, batch, y, tuple(out_offsets))
 
+
+def _launch_expand(h, partials, b, batch: SgmvBatch, y, out_offsets: tuple[int, ...]) -> None:
+    """Launch the expand; it reads `h`, or sums the shrink's split-K `partials` when given."""
+    num_tokens = y.shape[0]
     num_slots = batch.slot_ranks.shape[0]
-    plan = _expand_plan(EXPAND_TABLE, num_tokens, tuple(out_offsets), max_rank, num_segments,
-                        num_slots, _unrolled(y), _num_sms(y.device))
+    pdl = _pdl_enabled(y.device)
+    h_splits = 0 if partials is None else partials.shape[0]
+    plan = _expand_plan(EXPAND_TABLE, num_tokens, out_offsets, b.shape[2], batch.num_segments,
+                        num_slots, _unrolled(y), _num_sms(y.device), h_splits, pdl)
+    if partials is not None:
+        h = partials
     _sgmv_expand_kernel[plan.grid](
         h, b, y,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
-        num_segments, num_slots,
-        h.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        batch.num_segments, num_slots,
+        h.stride(0) if partials is not None else 0, h.stride(-2), b.stride(0), b.stride(1),
+        y.stride(0),
         **plan.constants,
         PRECISION=_precision(y.dtype),
+        **_launch_options(pdl),
     )
+
+
+def triton_apply(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch: SgmvBatch,
+    y: torch.Tensor,
+    out_offsets: tuple[int, ...],
+) -> None:
+    """y += the LoRA delta of one group, as `triton_expand(triton_shrink(...))` computes it, bit
+    for bit; but a shrink that splits the hidden dimension leaves its float32 partials for the
+    expand to sum (in the same order its own reducer would), so the shrink needs no arrival
+    counters and no reduction pass."""
+    num_tokens = x.shape[0]
+    num_slices = len(out_offsets) - 1
+    assert a.shape[1] == num_slices * b.shape[2], f"a {tuple(a.shape)} vs b {tuple(b.shape)}"
+    assert x.dtype == a.dtype and x.dtype in DTYPES, f"{x.dtype} / {a.dtype}"
+    assert x.stride(1) == 1 and a.stride(2) == 1, "the hidden dimension must be contiguous"
+    assert y.shape[0] == num_tokens and y.shape[1] == out_offsets[-1] == b.shape[1]
+    assert b.dtype == y.dtype == x.dtype and b.stride(2) == 1 and y.stride(1) == 1
+    _check_batch(batch, num_tokens, x.device)
+    if not batch.num_segments:
+        return
+    h = x.new_empty(num_tokens, a.shape[1])
+    partials = _launch_shrink(x, a, h, batch, b.shape[2], in_apply=True)
+    _launch_expand(h, partials, b, batch, y, tuple(out_offsets))
 
 
 @dataclass(frozen=True)
@@ -384,12 +496,14 @@ class _Plan:
 # shapes, so the tiling choice and the block arithmetic are done once per shape.
 @functools.lru_cache(maxsize=4096)
 def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_rank: int,
-                 num_segments: int, num_slots: int, float32: bool, num_sms: int) -> _Plan:
+                 num_segments: int, num_slots: int, float32: bool, num_sms: int,
+                 in_apply: bool = False, pdl: bool = False) -> _Plan:
     t = pick(table, num_tokens, float32=float32)
     block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
     k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
     split_k = cdiv(hidden, k_per_split)
+    reduce = split_k == 1 or not (in_apply and t.partials_to_expand)
     num_cb = cdiv(num_cols, block_n)
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     constants = dict(
@@ -403,18 +517,21 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         BLOCK_K=block_k,
         K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k,
+        REDUCE=reduce,
         EVEN_K=hidden % block_k == 0,
+        PDL=pdl,
+        PRELOAD_A=pdl and k_per_split == block_k and hidden % block_k == 0,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
-    return _Plan(grid, constants, split_k, bound_tiles * num_cb)
+    return _Plan(grid, constants, split_k, bound_tiles * num_cb if reduce else 0)
 
 
 @functools.lru_cache(maxsize=4096)
 def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
                  max_rank: int, num_segments: int, num_slots: int, float32: bool,
-                 num_sms: int) -> _Plan:
+                 num_sms: int, h_splits: int = 0, pdl: bool = False) -> _Plan:
     t = pick(table, num_tokens, float32=float32)
     block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
@@ -429,6 +546,8 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         NUM_RB=cdiv(max_rank, block_r),
+        H_SPLITS=h_splits,
+        PDL=pdl,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
@@ -479,6 +598,37 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while
+# the kernel before it on the stream is still running. Each SGMV kernel lets the next one start
+# at once (`gdc_launch_dependents`), reads only what no earlier kernel writes (the segment table,
+# the slot ranks and scalings, adapter weights) before `gdc_wait`, which returns when the kernel
+# before has finished and its writes are visible, and every program waits before it ends, so a
+# kernel never finishes before the one it follows. The overlap hides the launch, the metadata
+# round trip and the first weight read behind the previous kernel: most of a small batch's time.
+# Adapter weights are written on the load stream, ordered before the step by events; the
+# ordering is the stream's, which PDL keeps for everything but the kernel just before.
+PDL = True  # off: plain launches (the benchmark measures both)
+
+
+@functools.cache
+def _pdl_supported(device: torch.device) -> bool:
+    if not _HAVE_GDC or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def _pdl_enabled(device: torch.device) -> bool:
+    return PDL and _pdl_supported(device)
+
+
+def _launch_options(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
+
+
 _lock_buffers: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -496,4 +646,4 @@ def _locks(device: torch.device, needed: int) -> torch.Tensor:
     return buffers[-1]
 
 
-BACKENDS["triton"] = SgmvOps(triton_shrink, triton_expand)
+BACKENDS["triton"] = SgmvOps(triton_shrink, triton_expand, triton_apply)
