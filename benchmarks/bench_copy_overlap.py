@@ -86,9 +86,9 @@ def host_issue(rank: int, slots: int = 3, repeats: int = 10) -> dict:
     """Host time of `LoraWeightPool.write` (Llama-3-8B shape) on the load stream: alone, and
     issued right after another adapter's write is queued there. The load path must never wait
     on the host for earlier copies; if it did, the engine's step loop would stall for a copy."""
+    from benchmarks.bench_decode_step import LLAMA3_8B
     from replicas.adapters.loader import AdapterWeights
     from replicas.lora import LoraWeightPool
-    from benchmarks.bench_decode_step import LLAMA3_8B
 
     pool = LoraWeightPool(LLAMA3_8B, slots, rank, torch.bfloat16, torch.device("cuda"), "triton")
     layers = tuple(torch.empty(pool._slot_bytes, dtype=torch.uint8).pin_memory()
@@ -112,8 +112,6 @@ def host_issue(rank: int, slots: int = 3, repeats: int = 10) -> dict:
     torch.cuda.synchronize()
     copy_ms = _latency_ms(lambda done: (pool.write(0, weights[0], stream=load),
                                         done.record(load)))
-    del pool
-    torch.cuda.empty_cache()
     return {
         "adapter_MB": pool_mb(layers),
         "copy_ms": copy_ms,
