@@ -260,9 +260,9 @@ def measure(case: Case, bw: float, args: argparse.Namespace) -> dict:
         row["baseline_us"] = graph_us_per_layer(p, gather_bmm_layer, iters=5)
         row["speedup"] = row["baseline_us"] / us
     if args.variants:  # what each launch change buys, in the same run
-        from kernels import sgmv_triton
-
         from dataclasses import replace
+
+        from kernels import sgmv_triton
 
         pdl, table = sgmv_triton.PDL, sgmv_triton.SHRINK_TABLE
         try:
