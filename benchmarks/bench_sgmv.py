@@ -259,22 +259,14 @@ def measure(case: Case, bw: float, args: argparse.Namespace) -> dict:
     if not args.no_baseline:
         row["baseline_us"] = graph_us_per_layer(p, gather_bmm_layer, iters=5)
         row["speedup"] = row["baseline_us"] / us
-    if args.variants:  # what each launch change buys, in the same run
-        from dataclasses import replace
-
+    if args.variants:  # what programmatic dependent launch buys, in the same run
         from kernels import sgmv_triton
 
-        pdl, table = sgmv_triton.PDL, sgmv_triton.SHRINK_TABLE
+        sgmv_triton.PDL = False
         try:
-            sgmv_triton.SHRINK_TABLE = tuple(
-                (bound, replace(t, partials_to_expand=not t.partials_to_expand))
-                for bound, t in table)
-            row["flipped_us"] = graph_us_per_layer(p, sgmv_layer)
-            sgmv_triton.SHRINK_TABLE = table
-            sgmv_triton.PDL = False
             row["no_pdl_us"] = graph_us_per_layer(p, sgmv_layer)
         finally:
-            sgmv_triton.PDL, sgmv_triton.SHRINK_TABLE = pdl, table
+            sgmv_triton.PDL = True
     if args.breakdown:  # per group: (shrink alone, expand alone)
         from kernels.sgmv_triton import triton_shrink
 
@@ -401,7 +393,7 @@ def run_gpu(args: argparse.Namespace) -> None:
         "measured; baseline = torch gather + bmm at the pool's max rank, also graph-replayed",
         ["phase", "tokens", "adapters", "ranks", "sgmv_us", "floor_us", "frac_of_floor", "GBps",
          "baseline_us", "speedup"]
-        + (["flipped_us", "no_pdl_us"] if args.variants else []),
+        + (["no_pdl_us"] if args.variants else []),
         rows,
         {"hbm_bandwidth_TBps": round(bw / 1e12, 3),
          "programmatic_dependent_launch": sgmv_triton_pdl()},
@@ -449,8 +441,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time candidate tilings; writes nothing")
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
     ap.add_argument("--variants", action="store_true",
-                    help="also time with each tuning row's partials_to_expand flipped, and "
-                         "without programmatic dependent launch")
+                    help="also time without programmatic dependent launch")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
     ap.add_argument("--out", default=None,
                     help="results folder (default benchmarks/results on GPU; none in --smoke)")

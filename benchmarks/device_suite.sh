@@ -5,7 +5,7 @@
 #   bash benchmarks/device_suite.sh prefill                      # prefill step + per-op profile
 #   bash benchmarks/device_suite.sh kernel-tests                 # tests/kernels compiled (slow)
 #   bash benchmarks/device_suite.sh sgmv-sweep                   # tuning candidates (prints)
-#   bash benchmarks/device_suite.sh sgmv-variants                # quick set, PDL / fused off too
+#   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
 #   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
 #   bash benchmarks/device_suite.sh churn128 seeds

@@ -13,8 +13,7 @@ R = max_lora_rank; rows and columns past an adapter's true rank are zero, so any
 ignore them.
 
 Backends implement `shrink` and `expand` with the signatures of the torch reference below and
-register themselves in `BACKENDS`; `SgmvOps.apply` (the delta of one group) is expand of shrink,
-or a backend's own `fused` version of it, which must give the same result.
+register themselves in `BACKENDS`; `SgmvOps.apply` (the delta of one group) is expand of shrink.
 """
 
 from __future__ import annotations
@@ -103,15 +102,11 @@ def torch_expand(
 
 ShrinkFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, int], torch.Tensor]
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None]
-ApplyFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None
-]
 
 
 class SgmvOps(NamedTuple):
     shrink: ShrinkFn
     expand: ExpandFn
-    fused: ApplyFn | None = None  # the backend's own expand-of-shrink, with `apply`'s signature
 
     def apply(
         self,
@@ -124,9 +119,6 @@ class SgmvOps(NamedTuple):
     ) -> None:
         """y += the LoRA delta of one group: x [T, in]; a [num_slots, n*R, in]; b [num_slots,
         sum(out_i), R]. A shrink, then an expand."""
-        if self.fused is not None:
-            self.fused(x, a, b, batch, y, out_offsets)
-            return
         self.expand(self.shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
 
 

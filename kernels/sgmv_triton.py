@@ -23,11 +23,7 @@ is (tile, column block); column blocks never cross a slice boundary, so slices o
 widths (GQA q/k/v) are one launch. The rank loop stops at the slot's true rank. Each y element is
 read, updated and written by exactly one program: deterministic, no atomics.
 
-A whole delta (`triton_apply`, the backend's `SgmvOps.fused`) is the same two launches, except
-that a tiling with `partials_to_expand` skips the shrink's reduction: the expand sums the float32
-split-K partials itself, in split order, and rounds them as the reducer would, so the result is
-the same bit for bit. On Hopper both kernels are launched with programmatic dependent launch
-(see `PDL` below).
+On Hopper both kernels are launched with programmatic dependent launch (see `PDL` below).
 
 Rows of h for tokens outside every segment are unspecified (never written); the expand never
 reads them and never touches those rows of y. Inputs are float32, float16 or bfloat16;
@@ -183,7 +179,6 @@ def _sgmv_shrink_kernel(
     BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    REDUCE: tl.constexpr,  # split-K: sum the partials into h (else the expand sums them)
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -237,9 +232,6 @@ def _sgmv_shrink_kernel(
 
             if SPLIT_K == 1:
                 tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
-            elif not REDUCE:
-                part_rows = rows[:, None] * NUM_COLS + cols[None, :]
-                tl.store(part_ptr + ks * num_tokens * NUM_COLS + part_rows, acc, mask=out_mask)
             else:
                 part_rows = rows[:, None] * NUM_COLS + cols[None, :]
                 split_stride = num_tokens * NUM_COLS
@@ -251,7 +243,7 @@ def _sgmv_shrink_kernel(
                 if arrived == SPLIT_K - 1:  # last split: sum all partials in split order
                     tl.debug_barrier()
                     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in range(SPLIT_K):
+                    for s in tl.static_range(SPLIT_K):  # unrolled: every load in flight at once
                         total += tl.load(
                             part_ptr + s * split_stride + part_rows,
                             mask=out_mask,
@@ -260,8 +252,7 @@ def _sgmv_shrink_kernel(
                         )
                     tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
                     tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-        elif ks == 0 and (SPLIT_K == 1 or REDUCE):  # every column past the slot's rank: zeros
-            # (no weights read; partials past the rank are never read, so none are written)
+        elif ks == 0:  # every column past the slot's rank: zeros, no weights read
             if PRELOAD_A:
                 gdc_wait()
             zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
@@ -272,7 +263,7 @@ def _sgmv_shrink_kernel(
 
 @triton.jit
 def _sgmv_expand_kernel(
-    h_ptr,  # [T, NUM_SLICES * MAX_RANK], or [H_SPLITS, T, NUM_SLICES * MAX_RANK] float32 partials
+    h_ptr,  # [T, NUM_SLICES * MAX_RANK]
     b_ptr,  # [num_slots, O_4, MAX_RANK]
     y_ptr,  # [T, O_4]
     seg_indptr_ptr,
@@ -281,7 +272,6 @@ def _sgmv_expand_kernel(
     slot_scalings_ptr,
     num_segments,
     num_slots,
-    stride_hs,  # between partials (unused when H_SPLITS is 0)
     stride_ht,
     stride_bs,
     stride_bn,
@@ -301,7 +291,6 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     NUM_RB: tl.constexpr,  # rank blocks covering MAX_RANK
-    H_SPLITS: tl.constexpr,  # 0: h is the shrink's output; n: the sum of n split-K partials
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -345,15 +334,8 @@ def _sgmv_expand_kernel(
                     if PDL:
                         gdc_wait()
                     yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                h_mask = row_mask[:, None] & r_in[None, :]
-                if H_SPLITS == 0:
-                    hv = tl.load(h_ptrs + rb * BLOCK_R, mask=h_mask, other=0.0)
-                else:  # the shrink's split-K reduction, in split order (as its own reducer)
-                    total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                    for s in tl.static_range(H_SPLITS):
-                        total += tl.load(h_ptrs + s * stride_hs + rb * BLOCK_R, mask=h_mask,
-                                         other=0.0)
-                    hv = total.to(b_ptr.dtype.element_ty)
+                hv = tl.load(h_ptrs + rb * BLOCK_R, mask=row_mask[:, None] & r_in[None, :],
+                             other=0.0)
                 acc = _product(hv, bv, acc, PRECISION)
             out = yv.to(tl.float32) + scale * acc
             tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
@@ -375,39 +357,29 @@ def triton_shrink(
     _check_batch(batch, num_tokens, x.device)
 
     h = x.new_empty(num_tokens, num_cols)
-    if batch.num_segments:
-        _launch_shrink(x, a, h, batch, max_rank, in_apply=False)
-    return h
+    num_segments = batch.num_segments
+    if num_segments == 0:
+        return h
 
-
-def _launch_shrink(x, a, h, batch: SgmvBatch, max_rank: int, in_apply: bool):
-    """Launch the shrink into `h`. Inside a whole delta (`in_apply`), a tiling with
-    `partials_to_expand` leaves its split-K partials for the expand to sum: they are returned
-    ([splits, T, n*R] float32), else None."""
-    num_tokens, hidden = x.shape
-    num_cols = a.shape[1]
     pdl = _pdl_enabled(x.device)
-    plan = _shrink_plan(SHRINK_TABLE, num_tokens, hidden, num_cols, max_rank, batch.num_segments,
-                        batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device), in_apply,
-                        pdl)
-    reduce = plan.constants["REDUCE"]
-    part = None
+    plan = _shrink_plan(SHRINK_TABLE, num_tokens, hidden, num_cols, max_rank, num_segments,
+                        batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device), pdl)
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
                            device=x.device)
-        locks = _locks(x.device, plan.num_locks) if reduce else batch.seg_slots  # unused
+        locks = _locks(x.device, plan.num_locks)
     else:  # unused by the kernel
-        locks = batch.seg_slots
+        part, locks = h, batch.seg_slots
     _sgmv_shrink_kernel[plan.grid](
-        x, a, h, h if part is None else part, locks,
+        x, a, h, part, locks,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
-        batch.num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
+        num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
         x.stride(0), a.stride(0), a.stride(1), h.stride(0),
         **plan.constants,
         PRECISION=_precision(x.dtype),
         **_launch_options(pdl),
     )
-    return None if reduce else part
+    return h
 
 
 def triton_expand(
@@ -428,57 +400,23 @@ def triton_expand(
     assert h.dtype == b.dtype == y.dtype and y.dtype in DTYPES, f"{h.dtype}/{b.dtype}/{y.dtype}"
     assert h.stride(1) == 1 and b.stride(2) == 1 and y.stride(1) == 1, "last dims contiguous"
     _check_batch(batch, num_tokens, y.device)
-    if batch.num_segments:
-        _launch_expand(h, None, b, batch, y, tuple(out_offsets))
+    num_segments = batch.num_segments
+    if num_segments == 0:
+        return
 
-
-def _launch_expand(h, partials, b, batch: SgmvBatch, y, out_offsets: tuple[int, ...]) -> None:
-    """Launch the expand; it reads `h`, or sums the shrink's split-K `partials` when given."""
-    num_tokens = y.shape[0]
     num_slots = batch.slot_ranks.shape[0]
     pdl = _pdl_enabled(y.device)
-    h_splits = 0 if partials is None else partials.shape[0]
-    plan = _expand_plan(EXPAND_TABLE, num_tokens, out_offsets, b.shape[2], batch.num_segments,
-                        num_slots, _unrolled(y), _num_sms(y.device), h_splits, pdl)
-    if partials is not None:
-        h = partials
+    plan = _expand_plan(EXPAND_TABLE, num_tokens, tuple(out_offsets), max_rank, num_segments,
+                        num_slots, _unrolled(y), _num_sms(y.device), pdl)
     _sgmv_expand_kernel[plan.grid](
         h, b, y,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
-        batch.num_segments, num_slots,
-        h.stride(0) if partials is not None else 0, h.stride(-2), b.stride(0), b.stride(1),
-        y.stride(0),
+        num_segments, num_slots,
+        h.stride(0), b.stride(0), b.stride(1), y.stride(0),
         **plan.constants,
         PRECISION=_precision(y.dtype),
         **_launch_options(pdl),
     )
-
-
-def triton_apply(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    batch: SgmvBatch,
-    y: torch.Tensor,
-    out_offsets: tuple[int, ...],
-) -> None:
-    """y += the LoRA delta of one group, as `triton_expand(triton_shrink(...))` computes it, bit
-    for bit; but a shrink that splits the hidden dimension leaves its float32 partials for the
-    expand to sum (in the same order its own reducer would), so the shrink needs no arrival
-    counters and no reduction pass."""
-    num_tokens = x.shape[0]
-    num_slices = len(out_offsets) - 1
-    assert a.shape[1] == num_slices * b.shape[2], f"a {tuple(a.shape)} vs b {tuple(b.shape)}"
-    assert x.dtype == a.dtype and x.dtype in DTYPES, f"{x.dtype} / {a.dtype}"
-    assert x.stride(1) == 1 and a.stride(2) == 1, "the hidden dimension must be contiguous"
-    assert y.shape[0] == num_tokens and y.shape[1] == out_offsets[-1] == b.shape[1]
-    assert b.dtype == y.dtype == x.dtype and b.stride(2) == 1 and y.stride(1) == 1
-    _check_batch(batch, num_tokens, x.device)
-    if not batch.num_segments:
-        return
-    h = x.new_empty(num_tokens, a.shape[1])
-    partials = _launch_shrink(x, a, h, batch, b.shape[2], in_apply=True)
-    _launch_expand(h, partials, b, batch, y, tuple(out_offsets))
 
 
 @dataclass(frozen=True)
@@ -497,13 +435,12 @@ class _Plan:
 @functools.lru_cache(maxsize=4096)
 def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_rank: int,
                  num_segments: int, num_slots: int, float32: bool, num_sms: int,
-                 in_apply: bool = False, pdl: bool = False) -> _Plan:
+                 pdl: bool = False) -> _Plan:
     t = pick(table, num_tokens, float32=float32)
     block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
     k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
     split_k = cdiv(hidden, k_per_split)
-    reduce = split_k == 1 or not (in_apply and t.partials_to_expand)
     num_cb = cdiv(num_cols, block_n)
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     constants = dict(
@@ -517,7 +454,6 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         BLOCK_K=block_k,
         K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k,
-        REDUCE=reduce,
         EVEN_K=hidden % block_k == 0,
         PDL=pdl,
         PRELOAD_A=pdl and k_per_split == block_k and hidden % block_k == 0,
@@ -525,13 +461,13 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         num_stages=t.num_stages,
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
-    return _Plan(grid, constants, split_k, bound_tiles * num_cb if reduce else 0)
+    return _Plan(grid, constants, split_k, bound_tiles * num_cb)
 
 
 @functools.lru_cache(maxsize=4096)
 def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
                  max_rank: int, num_segments: int, num_slots: int, float32: bool,
-                 num_sms: int, h_splits: int = 0, pdl: bool = False) -> _Plan:
+                 num_sms: int, pdl: bool = False) -> _Plan:
     t = pick(table, num_tokens, float32=float32)
     block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
@@ -546,7 +482,6 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         NUM_RB=cdiv(max_rank, block_r),
-        H_SPLITS=h_splits,
         PDL=pdl,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
@@ -646,4 +581,4 @@ def _locks(device: torch.device, needed: int) -> torch.Tensor:
     return buffers[-1]
 
 
-BACKENDS["triton"] = SgmvOps(triton_shrink, triton_expand, triton_apply)
+BACKENDS["triton"] = SgmvOps(triton_shrink, triton_expand)

@@ -15,11 +15,6 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   against 162 us/layer. At B = 64 over 8 adapters they cost about 5 us/layer more, and the
   mixed-rank case (ranks to 64) 419 against 379: the expand's rank step stays 16, since a
   512 x 64 tile spills (3.5 ms/layer).
-- Partials summed by the expand (2026-11-24, H100, `bench_sgmv --quick --variants`, PDL on):
-  B = D = 64 rank 16, 127 against 136 us/layer with the shrink's own reduction. At B = 1 the
-  split is 16-56 ways and the expand's column blocks each re-read every partial (45 against 30
-  without PDL); at prefill the partials are float32 tiles re-read by every column block (244
-  against 227). So only the 17-128 row leaves them to the expand.
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
@@ -38,10 +33,6 @@ class ShrinkTiling:
     num_warps: int
     num_stages: int
     programs_per_sm: int  # persistent programs launched per SM (work is strided over them)
-    # With split-K inside a whole delta (`SgmvOps.apply`): leave the float32 partials for the
-    # expand to sum instead of reducing them here. It saves the shrink its arrival counters and
-    # its reduction, and costs every expand column block a read of all the partials.
-    partials_to_expand: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,8 +50,7 @@ NO_SPLIT = 1 << 30
 # (max tokens or None, tiling), first match wins.
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (16, ShrinkTiling(16, 64, 256, 256, num_warps=4, num_stages=1, programs_per_sm=8)),
-    (128, ShrinkTiling(16, 64, 128, 1024, num_warps=4, num_stages=3, programs_per_sm=8,
-                       partials_to_expand=True)),
+    (128, ShrinkTiling(16, 64, 128, 1024, num_warps=4, num_stages=3, programs_per_sm=8)),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
     (None, ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4)),
 )

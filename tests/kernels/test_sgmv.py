@@ -7,7 +7,7 @@ tuning tables' tilings are checked as data.
 """
 
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -230,26 +230,6 @@ class TestTritonMatchesReference:
         assert_close(y_out, y_ref)
         assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
 
-    @pytest.mark.parametrize("batch_name", list(BATCHES))
-    @pytest.mark.parametrize("layout_name", list(LAYOUTS))
-    def test_fused_apply_equals_two_launches_bit_for_bit(self, layout_name, batch_name, tiling,
-                                                         monkeypatch):
-        """The fused path leaves split-K partials for the expand to sum: same order, same bits,
-        and still no read past a slot's rank."""
-        table = tuple((bound, replace(t, partials_to_expand=True))
-                      for bound, t in sgmv_triton.SHRINK_TABLE)
-        monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", table)
-        layout = LAYOUTS[layout_name]
-        batch, a, b, x, y, _ = run_case(layout, batch_name)
-        n = len(layout.outs)
-        a, b = poison_past_rank(a, b, BATCHES[batch_name][1], n)
-        y_two, y_fused = y.clone(), y.clone()
-        h = sgmv_triton.triton_shrink(x, a, batch, n)
-        sgmv_triton.triton_expand(h, b, batch, y_two, layout.out_offsets)
-        sgmv_triton.triton_apply(x, a, b, batch, y_fused, layout.out_offsets)
-        assert torch.equal(y_fused, y_two)
-        assert not y_fused.isnan().any()
-
     def test_apply_is_shrink_then_expand(self):
         layout = LAYOUTS["qkv_gqa"]
         batch, a, b, x, y, _ = run_case(layout, "decode_distinct")
@@ -324,9 +304,7 @@ class TestTritonMatchesReference:
 @needs_triton
 class TestLaunchers:
     def test_registered_as_the_triton_backend(self):
-        assert get_backend("triton") == (
-            sgmv_triton.triton_shrink, sgmv_triton.triton_expand, sgmv_triton.triton_apply
-        )
+        assert get_backend("triton") == (sgmv_triton.triton_shrink, sgmv_triton.triton_expand)
 
     def test_a_swapped_tuning_table_takes_effect(self, monkeypatch):
         # Launch plans are cached per shape: the table in force must be part of the key.
