@@ -368,6 +368,50 @@ def sweep(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def sweep_small(args: argparse.Namespace) -> None:
+    """The <= 16-token row, whole layers: every (shrink, expand) pair of candidates at B = 1 and
+    B = 8, since under programmatic dependent launch a kernel's cost depends on its neighbour
+    (its prologue and first weight read overlap the kernel before). Prints; writes nothing."""
+    from dataclasses import replace
+
+    from kernels import sgmv_triton
+    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
+
+    device = torch.device("cuda")
+    base_s, base_e = pick(SHRINK_TABLE, 1), pick(EXPAND_TABLE, 1)
+    shrinks = [base_s] + [
+        replace(base_s, block_k=bk, k_per_split=bk, num_warps=w, num_stages=1, programs_per_sm=8)
+        for bk, w in ((128, 4), (512, 4), (512, 8), (1024, 8))
+    ]
+    expands = [base_e] + [
+        replace(base_e, block_n=bn, block_r=br, num_warps=w, num_stages=st, programs_per_sm=pps)
+        for bn, br, w, st, pps in ((64, 128, 4, 1, 16), (256, 128, 4, 1, 16),
+                                   (512, 128, 4, 1, 16), (512, 16, 4, 2, 16), (256, 128, 8, 1, 8))
+    ]
+    saved = sgmv_triton.SHRINK_TABLE, sgmv_triton.EXPAND_TABLE
+    for case in (QUICK[0], QUICK[1]):
+        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
+                         device)
+        print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
+        results = []
+        for t_s in shrinks:
+            for t_e in expands:
+                sgmv_triton.SHRINK_TABLE, sgmv_triton.EXPAND_TABLE = ((None, t_s),), ((None, t_e),)
+                try:
+                    us = graph_us_per_layer(p, sgmv_layer)
+                except Exception as e:  # a tiling the compiler or the GPU refuses
+                    print(f"{t_s} {t_e} failed: {type(e).__name__}: {e}", flush=True)
+                    continue
+                results.append((us, t_s, t_e))
+                print(f"{us:.2f} us/layer: {t_s} {t_e}", flush=True)
+        sgmv_triton.SHRINK_TABLE, sgmv_triton.EXPAND_TABLE = saved
+        best = min(results, key=lambda r: r[0])
+        print(f"best at {case.num_tokens} tokens: {best[0]:.2f} us/layer (table row "
+              f"{results[0][0]:.2f}): {best[1]} {best[2]}", flush=True)
+        del p
+        torch.cuda.empty_cache()
+
+
 def sgmv_triton_pdl() -> bool:
     from kernels import sgmv_triton
 
@@ -380,6 +424,9 @@ def run_gpu(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     if args.sweep:
         sweep(args)
+        return
+    if args.sweep_small:
+        sweep_small(args)
         return
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -439,6 +486,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
     ap.add_argument("--breakdown", action="store_true", help="also time each group alone")
     ap.add_argument("--sweep", action="store_true", help="time candidate tilings; writes nothing")
+    ap.add_argument("--sweep-small", action="store_true",
+                    help="time (shrink, expand) pairs for <= 16 tokens, whole layers; "
+                         "writes nothing")
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
     ap.add_argument("--variants", action="store_true",
                     help="also time without programmatic dependent launch")
