@@ -9,6 +9,10 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
 - Few tokens (decode): memory-bound on the adapter weights, and too few (segment, column block)
   pairs to fill 132 SMs, so the shrink cuts the hidden dimension into `k_per_split` pieces
   (split-K, reduced in a fixed order) and the expand uses narrow column blocks.
+- Up to 16 tokens under programmatic dependent launch, where a split's A block is read before
+  the kernel waits for the one before it (`bench_sgmv --sweep-small`, H200, 2026-11-24, whole
+  layers over (shrink, expand) pairs): K splits of 512 (8 for hidden 4096, 28 for down) beat
+  256 at both B = 1 (14.7 against 14.8 us/layer with this expand) and B = 8 (25.0 against 26.8).
 - 17-128 tokens (batched decode): the 2026-11-24 sweep (`bench_sgmv --sweep`) picked, at
   B = D = 64 rank 16, a shrink that splits K 1024-wide with a three-stage pipeline over 128-wide
   steps (53 against 74 us/layer) and 512-column expand blocks (82 against 89); together 134
@@ -49,7 +53,7 @@ NO_SPLIT = 1 << 30
 
 # (max tokens or None, tiling), first match wins.
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (16, ShrinkTiling(16, 64, 256, 256, num_warps=4, num_stages=1, programs_per_sm=8)),
+    (16, ShrinkTiling(16, 64, 512, 512, num_warps=4, num_stages=1, programs_per_sm=8)),
     (128, ShrinkTiling(16, 64, 128, 1024, num_warps=4, num_stages=3, programs_per_sm=8)),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
     (None, ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4)),
