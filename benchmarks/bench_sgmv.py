@@ -295,7 +295,7 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
 
 def sweep(args: argparse.Namespace) -> None:
     """Time shrink alone and expand alone (all four groups of a layer) over candidate tilings,
-    the current table row first, at B = D = 64, B = 64 over 8 adapters and B = 1, plus a graph
+    the current table row first, for the quick cases named by `--sweep-cases`, plus a graph
     of empty kernels (the launch floor); prints each time and the best per kernel, writes
     nothing."""
     from dataclasses import replace
@@ -314,7 +314,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda")
     # the bandwidth target first, then a few tokens per adapter, then latency at B = 1
-    for case in (QUICK[2], QUICK[3], QUICK[0]):
+    for case in (QUICK[i] for i in args.sweep_cases):
         p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
                          device)
         p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
@@ -341,6 +341,9 @@ def sweep(args: argparse.Namespace) -> None:
                 (1, 256, 16, 4, 1, 16), (1, 512, 16, 4, 1, 16), (1, 1024, 16, 4, 1, 8),
                 (1, 512, 16, 2, 1, 32), (1, 1024, 16, 8, 2, 8), (1, 2048, 16, 8, 1, 4),
                 (2, 512, 16, 4, 1, 16), (4, 512, 16, 4, 1, 16),
+                # rank steps past 16 (pools of a larger max rank: the mixed case)
+                (16, 512, 32, 4, 1, 16), (16, 512, 32, 8, 1, 8), (16, 256, 32, 4, 2, 16),
+                (16, 256, 64, 8, 1, 8), (16, 128, 64, 4, 2, 16), (16, 128, 32, 4, 1, 16),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
@@ -486,6 +489,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
     ap.add_argument("--breakdown", action="store_true", help="also time each group alone")
     ap.add_argument("--sweep", action="store_true", help="time candidate tilings; writes nothing")
+    ap.add_argument("--sweep-cases", default="2,3,0",
+                    type=lambda v: [int(i) for i in v.split(",")],
+                    help="which quick cases --sweep times (indices: 0 B=1, 1 B=8, 2 B=D=64, "
+                         "3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill)")
     ap.add_argument("--sweep-small", action="store_true",
                     help="time (shrink, expand) pairs for <= 16 tokens, whole layers; "
                          "writes nothing")
