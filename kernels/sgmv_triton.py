@@ -469,8 +469,9 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
                  max_rank: int, num_segments: int, num_slots: int, float32: bool,
                  num_sms: int, pdl: bool = False) -> _Plan:
     t = pick(table, num_tokens, float32=float32)
-    block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
+    block_cap = t.block_n if t.max_tile is None else min(t.block_n, max(16, t.max_tile // block_r))
+    block_n, num_nb, slice_consts = _slice_blocks(out_offsets, block_cap)
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     constants = dict(
         MAX_RANK=max_rank,

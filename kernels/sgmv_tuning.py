@@ -16,9 +16,11 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
 - 17-128 tokens (batched decode): the 2026-11-24 sweep (`bench_sgmv --sweep`) picked, at
   B = D = 64 rank 16, a shrink that splits K 1024-wide with a three-stage pipeline over 128-wide
   steps (53 against 74 us/layer) and 512-column expand blocks (82 against 89); together 134
-  against 162 us/layer. At B = 64 over 8 adapters they cost about 5 us/layer more, and the
-  mixed-rank case (ranks to 64) 419 against 379: the expand's rank step stays 16, since a
-  512 x 64 tile spills (3.5 ms/layer).
+  against 162 us/layer. At B = 64 over 8 adapters they cost about 5 us/layer more.
+- The same row in a pool of max rank 64 (the mixed-rank case, ranks 8-64): a rank step of 16
+  made the expand 329 us/layer; a 512 x 64 tile spills (3.5 ms/layer); 128 columns x a rank
+  step of 64 took 199 (`bench_sgmv --sweep --sweep-cases 4`, H100, 2026-11-24). `max_tile`
+  keeps block_n x block_r at 8,192: 512 x 16 at rank 16 (unchanged), 256 x 32, 128 x 64.
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
@@ -47,6 +49,9 @@ class ExpandTiling:
     num_warps: int
     num_stages: int
     programs_per_sm: int
+    # At most this many B elements per tile (block_n x the rank step): pools of a larger max
+    # rank take wider rank steps over narrower column blocks. None: block_n as given.
+    max_tile: int | None = None
 
 
 NO_SPLIT = 1 << 30
@@ -61,7 +66,8 @@ SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, ExpandTiling(16, 128, 128, num_warps=4, num_stages=1, programs_per_sm=16)),
-    (128, ExpandTiling(16, 512, 16, num_warps=4, num_stages=2, programs_per_sm=16)),
+    (128, ExpandTiling(16, 512, 64, num_warps=4, num_stages=2, programs_per_sm=16,
+                       max_tile=8192)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
 )

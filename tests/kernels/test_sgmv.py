@@ -306,6 +306,17 @@ class TestLaunchers:
     def test_registered_as_the_triton_backend(self):
         assert get_backend("triton") == (sgmv_triton.triton_shrink, sgmv_triton.triton_expand)
 
+    @pytest.mark.parametrize("max_rank, block_n, block_r", [(16, 512, 16), (32, 256, 32),
+                                                            (64, 128, 64), (128, 128, 64)])
+    def test_expand_tile_narrows_as_the_rank_step_widens(self, max_rank, block_n, block_r):
+        table = ((None, ExpandTiling(16, 512, 64, num_warps=4, num_stages=2, programs_per_sm=16,
+                                     max_tile=8192)),)
+        offsets = (0, 4096, 5120, 6144)
+        plan = sgmv_triton._expand_plan(table, 64, offsets, max_rank, 64, 64, False, 132)
+        assert (plan.constants["BLOCK_N"], plan.constants["BLOCK_R"]) == (block_n, block_r)
+        assert plan.constants["NUM_RB"] * block_r >= max_rank
+        assert plan.constants["NUM_NB"] == sum(-(-w // block_n) for w in (4096, 1024, 1024))
+
     def test_a_swapped_tuning_table_takes_effect(self, monkeypatch):
         # Launch plans are cached per shape: the table in force must be part of the key.
         args = (64, 4096, 48, 16, 8, 8, False, 132)
