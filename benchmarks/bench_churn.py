@@ -117,8 +117,26 @@ def workload(args, names: list[str], kind: str):
     return out
 
 
+def step_split(timings) -> dict:
+    """Steps with prefill tokens, split by whether a layer waited on an adapter copy in flight:
+    host launch time and whole step time (P50, ms). A gated step that is longer in its launch
+    phase stalled on the host; one longer only in total waited on the device."""
+    prefill = [t for t in timings if t.num_tokens > t.num_seqs]
+    out = {}
+    for label, group in (("prefill", [t for t in prefill if not t.gated]),
+                         ("gated", [t for t in prefill if t.gated])):
+        out[f"{label}_steps"] = len(group)
+        for field in ("launch", "step"):
+            values = [t.launch_s if field == "launch" else t.total_s for t in group]
+            out[f"{label}_{field}_p50_ms"] = (
+                1000 * float(np.percentile(values, 50)) if values else 0.0
+            )
+    return out
+
+
 def run(engine: Engine, requests) -> dict:
     start = time.monotonic()
+    engine.step_timings.clear()
     steps, preemptions = engine.num_steps, engine.num_preemptions
     pending = list(enumerate(requests))
     arrival, first, last, count, itl, waits = {}, {}, {}, {}, [], []
@@ -179,6 +197,7 @@ def run(engine: Engine, requests) -> dict:
         # KV-cache pressure: requests sent back to wait and recomputed, and tokens per step
         "preemptions": engine.num_preemptions - preemptions,
         "tokens_per_step": sum(count.values()) / max(1, engine.num_steps - steps),
+        **step_split(engine.step_timings),
     }
 
 
@@ -305,6 +324,11 @@ def save(args, rows: list[dict], copy: dict | None, kv_blocks: int | None) -> No
         "disk_read_mean_ms",
         "preemptions",
         "tokens_per_step",
+        "prefill_launch_p50_ms",
+        "prefill_step_p50_ms",
+        "gated_steps",
+        "gated_launch_p50_ms",
+        "gated_step_p50_ms",
         "ttft_p50_vs_blocking",
         "throughput_vs_blocking",
         "churn_penalty",

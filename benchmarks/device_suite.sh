@@ -12,8 +12,8 @@
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #
 # Stage lengths seen on an H100: decode 72 s, sgmv-quick 35 s, churn16 349 s (48 requests a
-# cell), churn-large ~330 s (40 a cell; 115 s of it builds the first engine, 111 s the
-# all-resident one), churn128 132 s (40 a cell). `tests` once ran past 240 s: the float32 engine
+# cell), churn-large ~520 s (80 a cell; 125 s of it builds the first engine, 126 s the
+# all-resident one: run it alone in a call), churn128 132 s (40 a cell). `tests` once ran past 240 s: the float32 engine
 # test sat in an SGMV launch of its warm-up for over 140 s (float32 tiles are capped since).
 #
 # Where Ray is not installed, put it on the path first (e.g. a prepared site-packages bundle);
@@ -61,7 +61,7 @@ for s in "$@"; do
             churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 48 \
                 --popularity distinct,uniform,skewed --resident ;;
         churn-large)  # 0.67 GB adapters: copies of ~13 ms, where loading dominates
-            churn churn-large 480 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
+            churn churn-large 570 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
                 --num-requests 80 --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
                 --popularity distinct,uniform --resident ;;
         churn128)  # a host cache of 32: disk reads join the churn

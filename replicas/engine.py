@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from replicas.adapters.loader import AdapterError
 from replicas.adapters.manager import AdapterManager
@@ -19,6 +21,21 @@ from replicas.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 STEP_TIME_EMA = 0.2  # weight of the newest step in the step-time average
+
+
+STEP_LOG = 1 << 14  # step timings kept (the most recent)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one step's time went, for benchmarks that need to tell host from device."""
+
+    num_tokens: int  # tokens computed (more than num_seqs: the step has prefill)
+    num_seqs: int
+    gated: bool  # the step's layers waited on an adapter copy (on the load stream, or queued
+    # ahead of them on the compute stream by a blocking load)
+    launch_s: float  # host: from the step's start to its last launch
+    total_s: float  # host: from the step's start until its sampled tokens were back
 
 
 class RequestRejected(ValueError):
@@ -68,6 +85,7 @@ class Engine:
         self.num_preemptions = 0  # running requests sent back to wait (KV cache full), recomputed
         self.stalled = False  # the last step ran nothing while requests wait (adapter reads)
         self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
+        self.step_timings: deque[StepTiming] = deque(maxlen=STEP_LOG)
 
     @property
     def has_work(self) -> bool:
@@ -136,10 +154,13 @@ class Engine:
             in_use = {r.adapter for r in self.scheduler.requests()}
             for name in [n for n in self.adapters.retired if n not in in_use]:
                 self.adapters.forget(name)
+        loads_before = self.adapters.stats.gpu_loads
         self.adapters.tick(
             [(r.adapter, r.arrival_time) for r in self.scheduler.waiting if r.adapter is not None]
         )
         sched = self.scheduler.schedule()
+        blocking_load = (self.adapters.mode == "blocking"
+                         and self.adapters.stats.gpu_loads > loads_before)
         self.num_preemptions += len(sched.preempted)
         self.stalled = sched.empty and not sched.failed and self.has_work
         outputs = [
@@ -156,11 +177,16 @@ class Engine:
         sampling = [s for s in sched.seqs if s.samples]
         slots = {s.request.slot for s in sched.seqs if s.request.slot is not None}
         started = time.monotonic()
-        tokens = self.runner.execute(sched.seqs, self.adapters.layer_waits(slots))
+        layer_waits = self.adapters.layer_waits(slots)
+        tokens = self.runner.execute(sched.seqs, layer_waits)
         # The readback waited for the step's device work: this is the step's time. A moving
         # average tells the adapter manager how long a copy can hide behind one step.
         elapsed = time.monotonic() - started
         self.adapters.step_time_s += STEP_TIME_EMA * (elapsed - self.adapters.step_time_s)
+        self.step_timings.append(StepTiming(
+            sum(s.num_new_tokens for s in sched.seqs), len(sched.seqs),
+            layer_waits is not None or blocking_load, self.runner.last_launch_s, elapsed,
+        ))
         for seq in sched.seqs:
             seq.request.num_computed_tokens += seq.num_new_tokens
         for seq, token in zip(sampling, tokens, strict=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 
 import torch
 
@@ -93,6 +94,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(self.device, config.seed)
         self.staging = HostStaging(self.device)
+        self.last_launch_s = 0.0  # host time of the last step up to its readback
         self.attention_backend = resolve_backend(
             config.attention_backend, config.device, "kernels.attention_triton"
         )
@@ -193,6 +195,7 @@ class ModelRunner:
     ) -> list[int]:
         """Run one step. Returns the sampled token of every seq whose `samples` is true, in the
         order of `seqs`. `layer_waits[L]` are adapter-load events layer L must wait on."""
+        started = time.monotonic()
         order = sorted(range(len(seqs)), key=lambda i: _slot_key(seqs[i]))
         ids: list[int] = []
         positions: list[int] = []
@@ -238,6 +241,7 @@ class ModelRunner:
             )
         rows = [k for k, i in enumerate(order) if seqs[i].samples]
         if not rows:
+            self.last_launch_s = time.monotonic() - started
             return []
         last = stage.tensor([q_starts[k + 1] - 1 for k in rows], torch.int64)
         logits = self.model.logits(hidden[last])
@@ -248,6 +252,7 @@ class ModelRunner:
             [self._generator(s) for s in sampled],
             stage.tensor,
         )
+        self.last_launch_s = time.monotonic() - started  # every launch issued, none waited on
         by_seq = dict(zip((order[k] for k in rows), stage.readback(tokens), strict=True))
         return [by_seq[i] for i in sorted(by_seq)]
 

@@ -308,3 +308,19 @@ def test_prefetch_queues_no_more_than_the_copy_window(models, fleet, monkeypatch
     assert not manager.is_resident("ad3")
     # Admission is not bound by the window: a request admitted now loads its adapter at once.
     assert manager.acquire("ad3") is not None and len(copies) == 3
+
+
+def test_step_timings_mark_the_steps_that_waited_on_a_load(models, fleet):
+    engine = fleet_engine(models, fleet, max_loras_per_batch=2, max_loaded_loras=5,
+                          adapter_loading="blocking")
+    names = list(fleet)[:3]
+    for name in names:  # one at a time: each admission loads its adapter into a slot
+        drive(engine, [Request(f"{name}-t", PROMPTS[0], greedy(3), name)])
+    timings = list(engine.step_timings)
+    assert len(timings) == engine.num_steps
+    assert all(0 <= t.launch_s <= t.total_s for t in timings)
+    prefill = [t for t in timings if t.num_tokens > t.num_seqs]
+    assert len(prefill) == len(names)  # one prompt each, no decode step computes more tokens
+    gated = [t for t in timings if t.gated]
+    assert gated == prefill  # the admitting step runs behind its blocking load, and only it
+    assert engine.adapters.stats.gpu_loads == len(names)
