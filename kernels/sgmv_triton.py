@@ -548,7 +548,9 @@ PDL = True  # off: plain launches (the benchmark measures both)
 
 @functools.cache
 def _pdl_supported(device: torch.device) -> bool:
-    if not _HAVE_GDC or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if not _HAVE_GDC or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if torch.cuda.get_device_capability(device)[0] < 9:  # griddepcontrol: Hopper and later
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
