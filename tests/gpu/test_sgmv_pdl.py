@@ -1,0 +1,82 @@
+"""SGMV kernels launched with programmatic dependent launch: each kernel starts while the one
+before it still runs and waits only before it touches that kernel's outputs. A chain of layers
+whose every shrink reads the previous layer's expand output must give, bit for bit, what plain
+launches give, eagerly and replayed from a CUDA graph."""
+
+import pytest
+import torch
+
+from kernels import sgmv_triton
+from kernels.sgmv import SgmvBatch
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, RANK, LAYERS = 512, 16, 6
+OUTS = (HIDDEN, HIDDEN // 4, HIDDEN // 4)  # q/k/v widths under GQA; q feeds the next layer
+
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def make_batch(num_tokens: int, device) -> SgmvBatch:
+    lens = [1] * num_tokens  # decode: a token per segment, each its own slot
+    ends = list(range(1, num_tokens + 1))
+    slots = [i % 4 for i in range(num_tokens)]
+    ranks, scalings = (16, 8, 16, 4), (0.5, 2.0, 1.0, 1.5)
+    return SgmvBatch(
+        seg_starts=[e - n for e, n in zip(ends, lens, strict=True)],
+        seg_ends=ends,
+        seg_slots_host=slots,
+        seg_indptr=torch.tensor([0, *ends], dtype=torch.int32, device=device),
+        seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
+        slot_ranks=torch.tensor(ranks, dtype=torch.int32, device=device),
+        slot_scalings=torch.tensor(scalings, dtype=torch.float32, device=device),
+        slot_ranks_host=ranks,
+        slot_scalings_host=scalings,
+        num_tokens=num_tokens,
+    )
+
+
+def chain(x, weights, batch):
+    """Layer by layer: y = x, y += LoRA(x); the next layer's input is y's q slice."""
+    offsets = (0, OUTS[0], OUTS[0] + OUTS[1], sum(OUTS))
+    for a, b in weights:
+        y = torch.zeros(x.shape[0], sum(OUTS), dtype=x.dtype, device=x.device)
+        y[:, : OUTS[0]] = x
+        h = sgmv_triton.triton_shrink(x, a, batch, 3)
+        sgmv_triton.triton_expand(h, b, batch, y, offsets)
+        x = y[:, : OUTS[0]].contiguous()
+    return x
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_pdl_chain_equals_plain_launches(monkeypatch, num_tokens):
+    device = torch.device("cuda")
+    if not hopper():
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    assert sgmv_triton._pdl_enabled(device), "PDL should be on for this GPU and Triton"
+    g = torch.Generator(device=device).manual_seed(0)
+    weights = [
+        (torch.randn(4, 3 * RANK, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8,
+         torch.randn(4, sum(OUTS), RANK, device=device, generator=g, dtype=torch.bfloat16) / 4)
+        for _ in range(LAYERS)
+    ]
+    batch = make_batch(num_tokens, device)
+    x = torch.randn(num_tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(sgmv_triton, "PDL", False)
+    plain = chain(x, weights, batch)
+    monkeypatch.setattr(sgmv_triton, "PDL", True)
+    eager = chain(x, weights, batch)
+    assert torch.equal(eager, plain)
+
+    chain(x, weights, batch)  # settle allocations before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = chain(x, weights, batch)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, plain)
