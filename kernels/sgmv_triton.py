@@ -448,7 +448,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         NUM_COLS=num_cols,
         NUM_CB=num_cb,
         BLOCK_S=_pow2_at_least_16(num_segments),
-        BLOCK_SLOTS=_pow2_at_least_16(num_slots),
+        BLOCK_SLOTS=_slot_block(num_slots),
         BLOCK_M=t.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -478,7 +478,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         **slice_consts,
         NUM_NB=num_nb,
         BLOCK_S=_pow2_at_least_16(num_segments),
-        BLOCK_SLOTS=_pow2_at_least_16(num_slots),
+        BLOCK_SLOTS=_slot_block(num_slots),
         BLOCK_M=t.block_m,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
@@ -511,6 +511,14 @@ def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> Non
     """What a launch adds to SgmvBatch's own checks: the batch fits x and lives beside it."""
     assert batch.num_tokens <= num_tokens, f"batch has {batch.num_tokens} tokens, x {num_tokens}"
     assert batch.seg_indptr.device == device, "metadata must be on the kernel's device"
+
+
+def _slot_block(num_slots: int) -> int:
+    """The slot table's width in registers. At least 64, so that pools of up to 64 slots share
+    their compiled kernels. When it followed the slot count, an engine with another
+    `max_loras_per_batch` compiled every SGMV variant again: in the churn benchmark on an H100,
+    a second 8-slot engine built in 6 s and a 32-slot one in 126 s, as long as the first."""
+    return max(64, next_pow2(num_slots))
 
 
 def _pow2_at_least_16(n: int) -> int:

@@ -317,6 +317,18 @@ class TestLaunchers:
         assert plan.constants["NUM_RB"] * block_r >= max_rank
         assert plan.constants["NUM_NB"] == sum(-(-w // block_n) for w in (4096, 1024, 1024))
 
+    def test_pools_of_up_to_64_slots_share_compiled_kernels(self):
+        # Compile-time constants must not follow the slot count below 64.
+        offsets = (0, 4096, 5120, 6144)
+        shrinks = {sgmv_triton._shrink_plan(sgmv_triton.SHRINK_TABLE, 8, 4096, 48, 16, 8, n,
+                                            False, 132).constants["BLOCK_SLOTS"]
+                   for n in (1, 8, 32, 64)}
+        expands = {sgmv_triton._expand_plan(sgmv_triton.EXPAND_TABLE, 8, offsets, 16, 8, n,
+                                            False, 132).constants["BLOCK_SLOTS"]
+                   for n in (1, 8, 32, 64)}
+        assert shrinks == expands == {64}
+        assert sgmv_triton._slot_block(65) == 128
+
     def test_a_swapped_tuning_table_takes_effect(self, monkeypatch):
         # Launch plans are cached per shape: the table in force must be part of the key.
         args = (64, 4096, 48, 16, 8, 8, False, 132)
