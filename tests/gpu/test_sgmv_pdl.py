@@ -6,7 +6,6 @@ launches give, eagerly and replayed from a CUDA graph."""
 import pytest
 import torch
 
-from kernels import sgmv_triton
 from kernels.sgmv import SgmvBatch
 
 pytestmark = pytest.mark.gpu
@@ -40,6 +39,8 @@ def make_batch(num_tokens: int, device) -> SgmvBatch:
 
 def chain(x, weights, batch):
     """Layer by layer: y = x, y += LoRA(x); the next layer's input is y's q slice."""
+    from kernels import sgmv_triton
+
     offsets = (0, OUTS[0], OUTS[0] + OUTS[1], sum(OUTS))
     for a, b in weights:
         y = torch.zeros(x.shape[0], sum(OUTS), dtype=x.dtype, device=x.device)
@@ -55,6 +56,10 @@ def test_pdl_chain_equals_plain_launches(monkeypatch, num_tokens):
     device = torch.device("cuda")
     if not hopper():
         pytest.skip("programmatic dependent launch needs Hopper or later")
+    # imported here: a module-level import would compile-mode the kernels before the CPU kernel
+    # tests set the Triton interpreter up
+    from kernels import sgmv_triton
+
     assert sgmv_triton._pdl_enabled(device), "PDL should be on for this GPU and Triton"
     g = torch.Generator(device=device).manual_seed(0)
     weights = [
