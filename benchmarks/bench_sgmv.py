@@ -436,7 +436,7 @@ def run_gpu(args: argparse.Namespace) -> None:
     rows = [measure(case, bw, args) for case in (QUICK if args.quick else cases(args.only))]
     path = write_results(
         args.out,
-        "sgmv",
+        "sgmv_quick" if args.quick else "sgmv",  # the quick set never overwrites the full one
         "SGMV LoRA, one Llama-3-8B layer (q/k/v, o, gate/up, down), bf16, CUDA-graph replay",
         "µs per layer for all seven projections; floor = minimal bytes (weights once per distinct "
         "adapter at its true rank + x in, y in/out) / HBM bandwidth; frac_of_floor = floor / "

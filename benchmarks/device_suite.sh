@@ -13,8 +13,9 @@
 #
 # Stage lengths seen on an H100: decode 72 s, sgmv-quick 35 s, churn16 349 s (48 requests a
 # cell), churn-large ~520 s (80 a cell; 125 s of it builds the first engine, 126 s the
-# all-resident one: run it alone in a call), churn128 132 s (40 a cell). `tests` once ran past 240 s: the float32 engine
-# test sat in an SGMV launch of its warm-up for over 140 s (float32 tiles are capped since).
+# all-resident one: run it alone in a call), churn128 132 s (40 a cell). `tests` once ran past
+# 240 s: the float32 engine test sat in an SGMV launch of its warm-up for over 140 s (float32
+# tiles are capped since).
 #
 # Where Ray is not installed, put it on the path first (e.g. a prepared site-packages bundle);
 # every stage but `router` needs only torch, triton, transformers, peft and safetensors.

@@ -361,9 +361,9 @@ def triton_shrink(
     if num_segments == 0:
         return h
 
-    pdl = _pdl_enabled(x.device)
     plan = _shrink_plan(SHRINK_TABLE, num_tokens, hidden, num_cols, max_rank, num_segments,
-                        batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device), pdl)
+                        batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device),
+                        _pdl_enabled(x.device))
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
                            device=x.device)
@@ -377,7 +377,6 @@ def triton_shrink(
         x.stride(0), a.stride(0), a.stride(1), h.stride(0),
         **plan.constants,
         PRECISION=_precision(x.dtype),
-        **_launch_options(pdl),
     )
     return h
 
@@ -405,9 +404,8 @@ def triton_expand(
         return
 
     num_slots = batch.slot_ranks.shape[0]
-    pdl = _pdl_enabled(y.device)
     plan = _expand_plan(EXPAND_TABLE, num_tokens, tuple(out_offsets), max_rank, num_segments,
-                        num_slots, _unrolled(y), _num_sms(y.device), pdl)
+                        num_slots, _unrolled(y), _num_sms(y.device), _pdl_enabled(y.device))
     _sgmv_expand_kernel[plan.grid](
         h, b, y,
         batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
@@ -415,7 +413,6 @@ def triton_expand(
         h.stride(0), b.stride(0), b.stride(1), y.stride(0),
         **plan.constants,
         PRECISION=_precision(y.dtype),
-        **_launch_options(pdl),
     )
 
 
@@ -444,21 +441,15 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
     num_cb = cdiv(num_cols, block_n)
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     constants = dict(
-        MAX_RANK=max_rank,
+        _shared_constants(t, max_rank, num_segments, num_slots, pdl),
         NUM_COLS=num_cols,
         NUM_CB=num_cb,
-        BLOCK_S=_pow2_at_least_16(num_segments),
-        BLOCK_SLOTS=_slot_block(num_slots),
-        BLOCK_M=t.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k,
         EVEN_K=hidden % block_k == 0,
-        PDL=pdl,
         PRELOAD_A=pdl and k_per_split == block_k and hidden % block_k == 0,
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
     return _Plan(grid, constants, split_k, bound_tiles * num_cb)
@@ -474,20 +465,30 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
     block_n, num_nb, slice_consts = _slice_blocks(out_offsets, block_cap)
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     constants = dict(
-        MAX_RANK=max_rank,
+        _shared_constants(t, max_rank, num_segments, num_slots, pdl),
         **slice_consts,
         NUM_NB=num_nb,
-        BLOCK_S=_pow2_at_least_16(num_segments),
-        BLOCK_SLOTS=_slot_block(num_slots),
-        BLOCK_M=t.block_m,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         NUM_RB=cdiv(max_rank, block_r),
+    )
+    return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
+
+
+def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: bool) -> dict:
+    """What both kernels' launches take alike: the segment and slot tables' widths, the token
+    tile, warps and stages, and programmatic dependent launch (the `PDL` constant and Triton's
+    `launch_pdl` option travel together)."""
+    return dict(
+        MAX_RANK=max_rank,
+        BLOCK_S=_pow2_at_least_16(num_segments),
+        BLOCK_SLOTS=_slot_block(num_slots),
+        BLOCK_M=t.block_m,
         PDL=pdl,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
-    return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
 
 
 def _slice_blocks(out_offsets: tuple[int, ...], block_cap: int) -> tuple[int, int, dict]:
@@ -569,10 +570,6 @@ def _pdl_supported(device: torch.device) -> bool:
 
 def _pdl_enabled(device: torch.device) -> bool:
     return PDL and _pdl_supported(device)
-
-
-def _launch_options(pdl: bool) -> dict:
-    return {"launch_pdl": True} if pdl else {}
 
 
 _lock_buffers: dict[torch.device, list[torch.Tensor]] = {}
