@@ -23,6 +23,7 @@ B[slot_of_token]) and multiplies with torch.bmm, captured in a CUDA graph as wel
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import time
@@ -321,29 +322,24 @@ def sweep(args: argparse.Namespace) -> None:
                                             len(p.shapes[g][1])) for g in p.shapes}
         base_s, base_e = pick(SHRINK_TABLE, case.num_tokens), pick(EXPAND_TABLE, case.num_tokens)
         # block_m 1: one token per tile, matrix-vector products (decode: a token per segment)
+        # Tiles of one token take matrix-vector products whatever block_m is; block_m 1 makes
+        # every tile one token (re-reading weights per token when segments are longer).
         shrinks = [base_s] + [
             replace(base_s, block_m=bm, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
-                    num_stages=st, programs_per_sm=pps)
-            for bm, bn, bk, kps, w, st, pps in (
-                (16, 64, 128, 1024, 4, 3, 8), (16, 64, 128, 2048, 4, 3, 8),
-                (16, 64, 128, 512, 4, 3, 8), (16, 64, 256, 1024, 4, 2, 8),
-                (16, 64, 128, 1024, 4, 4, 8), (16, 64, 128, 1024, 4, 3, 16),
-                (1, 64, 128, 1024, 4, 2, 8), (1, 64, 128, 2048, 4, 3, 8),
-                (1, 64, 256, 1024, 4, 2, 8), (1, 64, 64, 1024, 2, 3, 16),
-                (1, 16, 256, 1024, 2, 2, 16), (1, 64, 128, 512, 4, 2, 16),
+                    num_stages=st, programs_per_sm=pps, tile_k=tk)
+            for bm, bn, bk, kps, w, st, pps, tk in (
+                (16, 16, 256, 1024, 4, 3, 8, 64), (16, 32, 256, 1024, 4, 3, 8, 32),
+                (16, 32, 128, 1024, 4, 3, 8, 32), (16, 16, 256, 2048, 4, 3, 8, 32),
+                (16, 16, 512, 1024, 4, 2, 8, 32), (1, 16, 256, 1024, 4, 3, 8, None),
             )
         ]
         expands = [base_e] + [
             replace(base_e, block_m=bm, block_n=bn, block_r=br, num_warps=w, num_stages=st,
-                    programs_per_sm=pps)
-            for bm, bn, br, w, st, pps in (
-                (16, 512, 16, 4, 1, 8), (16, 512, 16, 4, 2, 16), (16, 1024, 16, 4, 1, 8),
-                (1, 256, 16, 4, 1, 16), (1, 512, 16, 4, 1, 16), (1, 1024, 16, 4, 1, 8),
-                (1, 512, 16, 2, 1, 32), (1, 1024, 16, 8, 2, 8), (1, 2048, 16, 8, 1, 4),
-                (2, 512, 16, 4, 1, 16), (4, 512, 16, 4, 1, 16),
-                # rank steps past 16 (pools of a larger max rank: the mixed case)
-                (16, 512, 32, 4, 1, 16), (16, 512, 32, 8, 1, 8), (16, 256, 32, 4, 2, 16),
-                (16, 256, 64, 8, 1, 8), (16, 128, 64, 4, 2, 16), (16, 128, 32, 4, 1, 16),
+                    programs_per_sm=pps, max_tile=mt, tile_n=tn)
+            for bm, bn, br, w, st, pps, mt, tn in (
+                (16, 512, 64, 4, 1, 16, 8192, 64), (16, 512, 64, 4, 1, 16, 8192, 256),
+                (16, 256, 64, 4, 1, 16, 8192, 128), (16, 512, 64, 4, 1, 16, 4096, 128),
+                (1, 512, 64, 4, 1, 16, 8192, None),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
@@ -351,6 +347,8 @@ def sweep(args: argparse.Namespace) -> None:
             ("shrink", "SHRINK_TABLE", shrinks, shrink_layer),
             ("expand", "EXPAND_TABLE", expands, expand_layer),
         ):
+            if args.sweep_kernel not in (None, kind):
+                continue
             saved = getattr(sgmv_triton, table_name)
             results = []
             for t in candidates:
@@ -371,6 +369,109 @@ def sweep(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def compiled_kernels(jit_fn) -> list:
+    """The compiled variants of a Triton kernel launched so far in this process."""
+    found = []
+    for cache in getattr(jit_fn, "device_caches", {}).values():
+        for part in cache if isinstance(cache, tuple) else (cache,):
+            if isinstance(part, dict):
+                found += [k for k in part.values() if hasattr(k, "n_regs")]
+    return found
+
+
+def resident_programs(kernel, props) -> int:
+    """Programs of `kernel` an SM holds at once: registers, shared memory and warp slots."""
+    warps = kernel.metadata.num_warps
+    regs = max(1, kernel.n_regs) * 32 * warps
+    by_regs = props.regs_per_multiprocessor // regs
+    shared = kernel.metadata.shared
+    by_shared = props.shared_memory_per_multiprocessor // shared if shared else 32
+    return min(by_regs, by_shared, props.max_threads_per_multi_processor // (32 * warps), 32)
+
+
+@functools.cache
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kernel(src, out, n_items, CHUNK: tl.constexpr):
+        acc = tl.zeros((CHUNK,), dtype=tl.float32)
+        offs = tl.arange(0, CHUNK)
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            acc += tl.load(src + item.to(tl.int64) * CHUNK + offs).to(tl.float32)
+        tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
+
+    return read_kernel
+
+
+def stream_read_us(tensors: list[torch.Tensor], chunk: int, programs_per_sm: int) -> float:
+    """µs to read `tensors` once in `chunk`-element items by a persistent Triton kernel of
+    `programs_per_sm` programs per SM: what this access pattern can reach, beside the kernels."""
+    from benchmarks.common import time_cuda
+
+    kernel = _read_kernel()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    flat = [t.reshape(-1)[: t.numel() // chunk * chunk] for t in tensors]
+    grids = [min(f.numel() // chunk, sms * programs_per_sm) for f in flat]
+    out = torch.empty(max(grids), device="cuda")
+    warps = max(4, chunk // 1024)  # at most 32 float32 accumulators per thread
+
+    def run():
+        for f, g in zip(flat, grids, strict=True):
+            kernel[(g,)](f, out, f.numel() // chunk, CHUNK=chunk, num_warps=warps)
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return time_cuda(graph.replay, iters=20, repeats=5, warmup=3)
+
+
+def inspect(args: argparse.Namespace) -> None:
+    """For the quick cases of `--sweep-cases`: each compiled shrink and expand variant's
+    registers, spills, shared memory and programs per SM, the expand alone against a plain
+    streaming read of the same B bytes (same item size), and one eager layer for a profiler to
+    catch. Prints; writes nothing."""
+    from kernels import sgmv_triton
+
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    for case in (QUICK[i] for i in args.sweep_cases):
+        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
+                         device)
+        p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
+                                            len(p.shapes[g][1])) for g in p.shapes}
+        print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters} "
+              f"ranks {case.rank_label}", flush=True)
+        sgmv_layer(p, 0)
+        torch.cuda.synchronize()
+        for name, fn in (("shrink", sgmv_triton._sgmv_shrink_kernel),
+                         ("expand", sgmv_triton._sgmv_expand_kernel)):
+            for k in compiled_kernels(fn):
+                consts = getattr(getattr(k, "src", None), "constants", {}) or {}
+                keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "SPLIT_K", "NUM_COLS", "O_4",
+                        "BLOCKS_PER_ITEM")
+                shown = {kk: v for kk, v in consts.items() if str(kk).split("'")[-1] in keys}
+                print(f"{name}: warps {k.metadata.num_warps} regs {k.n_regs} spills "
+                      f"{k.n_spills} shared {k.metadata.shared} resident/SM "
+                      f"{resident_programs(k, props)} {shown}", flush=True)
+        expand_us = graph_us_per_layer(p, expand_layer)
+        b_bytes = sum(p.weights[0][g][1].numel() * 2 for g in p.shapes)
+        print(f"expand alone {expand_us:.1f} us/layer over {b_bytes / 1e6:.1f} MB of B pool "
+              f"({b_bytes / expand_us / 1e6:.2f} TB/s if every byte were read)", flush=True)
+        live = [p.weights[layer][g][1] for layer in range(len(p.weights)) for g in p.shapes]
+        for chunk, pps in ((8192, 4), (8192, 8), (8192, 16), (4096, 16), (16384, 4)):
+            us = stream_read_us(live, chunk, pps) / len(p.weights)
+            print(f"stream read of the same B, {chunk * 2 // 1024} KB items, {pps} programs/SM: "
+                  f"{us:.1f} us/layer ({b_bytes / us / 1e6:.2f} TB/s)", flush=True)
+        for _ in range(3):  # eager layers, for a profiler
+            sgmv_layer(p, 1)
+        torch.cuda.synchronize()
+        del p
+        torch.cuda.empty_cache()
+
+
 def sweep_small(args: argparse.Namespace) -> None:
     """The <= 16-token row, whole layers: every (shrink, expand) pair of candidates at B = 1 and
     B = 8, since under programmatic dependent launch a kernel's cost depends on its neighbour
@@ -382,14 +483,14 @@ def sweep_small(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda")
     base_s, base_e = pick(SHRINK_TABLE, 1), pick(EXPAND_TABLE, 1)
+    # tiles of one token (the decode batches' shape) take matrix-vector products
     shrinks = [base_s] + [
-        replace(base_s, block_k=bk, k_per_split=bk, num_warps=w, num_stages=1, programs_per_sm=8)
-        for bk, w in ((128, 4), (512, 4), (512, 8), (1024, 8))
+        replace(base_s, block_n=bn, block_k=bk, k_per_split=bk, num_warps=w)
+        for bn, bk, w in ((16, 512, 4), (32, 512, 4), (16, 1024, 8), (16, 2048, 8))
     ]
     expands = [base_e] + [
-        replace(base_e, block_n=bn, block_r=br, num_warps=w, num_stages=st, programs_per_sm=pps)
-        for bn, br, w, st, pps in ((64, 128, 4, 1, 16), (256, 128, 4, 1, 16),
-                                   (512, 128, 4, 1, 16), (512, 16, 4, 2, 16), (256, 128, 8, 1, 8))
+        replace(base_e, block_n=bn, num_warps=w, programs_per_sm=pps)
+        for bn, w, pps in ((256, 4, 16), (512, 4, 16), (64, 2, 16))
     ]
     saved = sgmv_triton.SHRINK_TABLE, sgmv_triton.EXPAND_TABLE
     for case in (QUICK[0], QUICK[1]):
@@ -430,6 +531,9 @@ def run_gpu(args: argparse.Namespace) -> None:
         return
     if args.sweep_small:
         sweep_small(args)
+        return
+    if args.inspect:
+        inspect(args)
         return
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -493,8 +597,13 @@ def main() -> None:
                     type=lambda v: [int(i) for i in v.split(",")],
                     help="which quick cases --sweep times (indices: 0 B=1, 1 B=8, 2 B=D=64, "
                          "3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill)")
+    ap.add_argument("--sweep-kernel", choices=["shrink", "expand"], default=None,
+                    help="--sweep times only this kernel's candidates")
     ap.add_argument("--sweep-small", action="store_true",
                     help="time (shrink, expand) pairs for <= 16 tokens, whole layers; "
+                         "writes nothing")
+    ap.add_argument("--inspect", action="store_true",
+                    help="registers, occupancy and a streaming-read bound for --sweep-cases; "
                          "writes nothing")
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
     ap.add_argument("--variants", action="store_true",

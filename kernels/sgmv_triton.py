@@ -113,13 +113,12 @@ def _slot_value(slot, slot_ids, values):
 
 @triton.jit
 def _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_N: tl.constexpr):
-    """Output column block nb -> its slice index, its columns [BLOCK_N] and their mask."""
+    """Output column block nb -> its slice index, its first column and the slice's end."""
     sl = (nb >= NB_1).to(tl.int32) + (nb >= NB_2).to(tl.int32) + (nb >= NB_3).to(tl.int32)
     o_lo = tl.where(sl == 0, 0, tl.where(sl == 1, O_1, tl.where(sl == 2, O_2, O_3)))
     o_hi = tl.where(sl == 0, O_1, tl.where(sl == 1, O_2, tl.where(sl == 2, O_3, O_4)))
     nb_lo = tl.where(sl == 0, 0, tl.where(sl == 1, NB_1, tl.where(sl == 2, NB_2, NB_3)))
-    cols = o_lo + (nb - nb_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return sl, cols, cols < o_hi
+    return sl, o_lo + (nb - nb_lo) * BLOCK_N, o_hi
 
 
 @triton.jit
@@ -129,6 +128,8 @@ def _product(u, v, acc, PRECISION: tl.constexpr):
     instead, with no rows wasted on padding."""
     if u.shape[0] >= 16:
         return tl.dot(u, tl.trans(v), acc, input_precision=PRECISION)
+    if u.shape[0] == 1:  # two dimensions: u's row broadcasts over v's rows
+        return acc + tl.sum(v.to(tl.float32) * u.to(tl.float32), axis=1)[None, :]
     return acc + tl.sum(u.to(tl.float32)[:, None, :] * v.to(tl.float32)[None, :, :], axis=2)
 
 
@@ -177,6 +178,7 @@ def _sgmv_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TILE_K: tl.constexpr,  # hidden step of tiles of several tokens; divides BLOCK_K
     K_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -218,17 +220,28 @@ def _sgmv_shrink_kernel(
         if tl.sum(col_live.to(tl.int32), axis=0) > 0:
             k_lo = ks * K_PER_SPLIT
             k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-            x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
-            a_ptrs = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_k[None, :]
+            a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar  # [BLOCK_N, 1]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # A tile of one token (decode) takes matrix-vector products over x's row alone,
+            # BLOCK_K at a time; a tile of several takes tile products, TILE_K at a time (its
+            # operands cost BLOCK_M times the registers). Decided per tile at run time.
+            several = BLOCK_M > 1 and end_row - first_row > 1
+            x_row = x_ptr + first_row.to(tl.int64) * stride_xt + offs_k[None, :]  # [1, BLOCK_K]
             if PRELOAD_A:
-                av = tl.load(a_ptrs + k_lo, mask=col_live[:, None], other=0.0)
+                av = tl.load(a_rows + offs_k[None, :] + k_lo, mask=col_live[:, None], other=0.0)
                 gdc_wait()
-                xv = tl.load(x_ptrs + k_lo, mask=row_mask[:, None], other=0.0)
-                acc = _product(xv, av, acc, PRECISION)
-            else:
-                acc = _shrink_acc(x_ptrs, a_ptrs, row_mask, col_live, acc, k_lo, k_hi, K,
-                                  BLOCK_K, EVEN_K, PRECISION)
+                if not several:
+                    acc += _product(tl.load(x_row + k_lo), av,
+                                    tl.zeros((1, BLOCK_N), dtype=tl.float32), PRECISION)
+            elif not several:
+                acc += _shrink_acc(x_row, a_rows + offs_k[None, :], tl.arange(0, 1) < 1,
+                                   col_live, tl.zeros((1, BLOCK_N), dtype=tl.float32), k_lo,
+                                   k_hi, K, BLOCK_K, EVEN_K, PRECISION)
+            if several:
+                offs_tk = tl.arange(0, TILE_K)
+                x_tile = x_ptr + rows[:, None] * stride_xt + offs_tk[None, :]
+                acc = _shrink_acc(x_tile, a_rows + offs_tk[None, :], row_mask, col_live, acc,
+                                  k_lo, k_hi, K, TILE_K, EVEN_K, PRECISION)
 
             if SPLIT_K == 1:
                 tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
@@ -262,6 +275,60 @@ def _sgmv_shrink_kernel(
 
 
 @triton.jit
+def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_ptrs, y_ptr,
+                 stride_ht, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
+    """y[tile rows, cols] += scale * h[rows, slice ranks] . B[cols, :rank]^T. `h_ptrs` points
+    at the slice's first rank column of h, `b_ptrs` [BLOCK_N, 1] at the columns' rows of B."""
+    offs_r = tl.arange(0, BLOCK_R)
+    rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < end_row
+    # Every load of the item is issued before the first product needs one.
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
+    y_mask = row_mask[:, None] & col_mask[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
+        r = rb * BLOCK_R + offs_r
+        r_in = r < rank
+        bv = tl.load(b_ptrs + r[None, :], mask=col_mask[:, None] & r_in[None, :], other=0.0)
+        if rb == 0:
+            if PDL:
+                gdc_wait()
+            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
+                     mask=row_mask[:, None] & r_in[None, :], other=0.0)
+        acc = _product(hv, bv, acc, PRECISION)
+    out = yv.to(tl.float32) + scale * acc
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_ptrs, y_ptr, stride_ht, stride_yt,
+                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr,
+                  PDL: tl.constexpr):
+    """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
+    y[row, cols] += scale * B[cols, :rank] . h[row, :rank], each column's sum over the rank
+    within a thread or two. A 16-row tile would carry 15 dead rows through the product, the
+    layout changes and the epilogue, and hold 16 times the registers."""
+    offs_r = tl.arange(0, BLOCK_R)
+    y_ptrs = y_ptr + row * stride_yt + cols
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
+        r = rb * BLOCK_R + offs_r
+        r_in = r < rank
+        bv = tl.load(b_ptrs + r[None, :], mask=col_mask[:, None] & r_in[None, :], other=0.0)
+        if rb == 0:
+            if PDL:
+                gdc_wait()
+            yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
+        hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
+        acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
+    out = yv.to(tl.float32) + scale * acc
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
 def _sgmv_expand_kernel(
     h_ptr,  # [T, NUM_SLICES * MAX_RANK]
     b_ptr,  # [num_slots, O_4, MAX_RANK]
@@ -291,6 +358,7 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     NUM_RB: tl.constexpr,  # rank blocks covering MAX_RANK
+    TILE_N: tl.constexpr,  # columns per tile product (tiles of several tokens); divides BLOCK_N
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -306,8 +374,6 @@ def _sgmv_expand_kernel(
     # Under PDL, h and y are the previous kernels' until `gdc_wait`: an item reads its first
     # block of B before waiting, so the weight read overlaps the kernel before.
     num_items = tl.sum(tiles, axis=0) * NUM_NB
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         nb = item % NUM_NB
         j = item // NUM_NB
@@ -315,30 +381,24 @@ def _sgmv_expand_kernel(
         rank = _slot_value(slot, slot_ids, slot_ranks)
         if rank > 0:
             scale = _slot_value(slot, slot_ids, slot_scales)
-            sl, cols, col_mask = _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_N)
-            rows = (first_row + offs_m).to(tl.int64)
-            row_mask = rows < end_row
-
-            # Every load of the item is issued before the first product needs one.
-            y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
-            y_mask = row_mask[:, None] & col_mask[None, :]
-            h_ptrs = h_ptr + rows[:, None] * stride_ht + (sl * MAX_RANK + offs_r)[None, :]
-            b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn
-            b_ptrs += offs_r[None, :]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
-                r_in = (rb * BLOCK_R + offs_r) < rank
-                bv = tl.load(b_ptrs + rb * BLOCK_R, mask=col_mask[:, None] & r_in[None, :],
-                             other=0.0)
-                if rb == 0:
-                    if PDL:
-                        gdc_wait()
-                    yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                hv = tl.load(h_ptrs + rb * BLOCK_R, mask=row_mask[:, None] & r_in[None, :],
-                             other=0.0)
-                acc = _product(hv, bv, acc, PRECISION)
-            out = yv.to(tl.float32) + scale * acc
-            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+            sl, col0, col_end = _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_N)
+            b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+            h_ptrs = h_ptr + (sl * MAX_RANK).to(tl.int64)
+            # A tile of one token (decode) takes a matrix-vector product over the whole block; a
+            # tile of several takes tile products over TILE_N columns at a time. Decided per
+            # tile at run time, so a batch of both kinds gets both.
+            if BLOCK_M > 1 and end_row - first_row > 1:
+                for sub in tl.static_range(BLOCK_N // TILE_N):
+                    sub_cols = col0 + sub * TILE_N + tl.arange(0, TILE_N)
+                    _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale,
+                                 h_ptrs, b_slot + sub_cols[:, None] * stride_bn, y_ptr,
+                                 stride_ht, stride_yt, BLOCK_M, TILE_N, BLOCK_R, NUM_RB,
+                                 PRECISION, PDL and sub == 0)
+            else:
+                cols = col0 + tl.arange(0, BLOCK_N)
+                _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
+                              b_slot + cols[:, None] * stride_bn, y_ptr, stride_ht, stride_yt,
+                              BLOCK_N, BLOCK_R, NUM_RB, PDL)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
@@ -446,6 +506,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         NUM_CB=num_cb,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        TILE_K=block_k if t.tile_k is None else min(t.tile_k, block_k),
         K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k,
         EVEN_K=hidden % block_k == 0,
@@ -471,6 +532,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         NUM_RB=cdiv(max_rank, block_r),
+        TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
     )
     return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
 

@@ -39,6 +39,9 @@ class ShrinkTiling:
     num_warps: int
     num_stages: int
     programs_per_sm: int  # persistent programs launched per SM (work is strided over them)
+    # Hidden step for tiles of several tokens, a power of two (None: block_k); tiles of one
+    # token step block_k at a time.
+    tile_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,22 +55,27 @@ class ExpandTiling:
     # At most this many B elements per tile (block_n x the rank step): pools of a larger max
     # rank take wider rank steps over narrower column blocks. None: block_n as given.
     max_tile: int | None = None
+    # Columns per tile product for tiles of several tokens, a power of two (None: block_n);
+    # tiles of one token take the whole block in one matrix-vector product.
+    tile_n: int | None = None
 
 
 NO_SPLIT = 1 << 30
 
 # (max tokens or None, tiling), first match wins.
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (16, ShrinkTiling(16, 64, 512, 512, num_warps=4, num_stages=1, programs_per_sm=8)),
-    (128, ShrinkTiling(16, 64, 128, 1024, num_warps=4, num_stages=3, programs_per_sm=8)),
+    (16, ShrinkTiling(16, 16, 1024, 1024, num_warps=4, num_stages=1, programs_per_sm=8,
+                      tile_k=128)),
+    (128, ShrinkTiling(16, 16, 256, 1024, num_warps=4, num_stages=3, programs_per_sm=8,
+                       tile_k=32)),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
     (None, ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4)),
 )
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, ExpandTiling(16, 128, 128, num_warps=4, num_stages=1, programs_per_sm=16)),
-    (128, ExpandTiling(16, 512, 64, num_warps=4, num_stages=2, programs_per_sm=16,
-                       max_tile=8192)),
+    (128, ExpandTiling(16, 512, 64, num_warps=4, num_stages=1, programs_per_sm=16,
+                       max_tile=8192, tile_n=128)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
 )

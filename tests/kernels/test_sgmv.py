@@ -71,18 +71,20 @@ BATCHES = {
     "base_interleaved": ([(2, None), (3, 1), (2, None), (4, 2), (1, None)], [0, 8, 16], 16),
     "ranks_1_3_8_16": ([(2, 1), (1, 2), (3, 3), (2, 4)], [0, 1, 3, 8, 16], 16),
     "slot_in_two_segments": ([(3, 1), (2, 2), (4, 1)], [0, 5, 16], 16),
-    "long_segments": ([(37, 1), (5, 2), (18, 3)], [0, 16, 4, 11], 16),
+    "long_segments": ([(33, 1), (5, 2), (18, 3)], [0, 16, 4, 11], 16),  # 33 = 16 + 16 + 1
     "decode_distinct": ([(1, 1 + i % 5) for i in range(11)], [0, 2, 16, 7, 1, 12], 16),
     "rank_loop_r32": ([(3, 1), (2, 2), (4, 3)], [0, 32, 20, 9], 32),
 }
 
 
 def small_tiles() -> tuple:
-    """Forces split-K over an uneven hidden size, several column blocks per slice and a rank loop
-    of several steps, on the small shapes above."""
+    """Forces split-K over an uneven hidden size, several column blocks per slice, a rank loop
+    of several steps and tiles of several tokens stepping over a block's columns, on the small
+    shapes above."""
     return (
         ((None, ShrinkTiling(16, 16, 16, 48, num_warps=4, num_stages=2, programs_per_sm=3)),),
-        ((None, ExpandTiling(16, 16, 16, num_warps=4, num_stages=2, programs_per_sm=3)),),
+        ((None, ExpandTiling(16, 32, 16, num_warps=4, num_stages=2, programs_per_sm=3,
+                             tile_n=16)),),
     )
 
 
@@ -103,7 +105,17 @@ def vector_tiles() -> tuple:
     )
 
 
-TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles}
+def token_tiles() -> tuple:
+    """Decode tiles of one token: the one-dimensional matrix-vector paths of both kernels, with
+    split-K over an uneven hidden size and a rank loop of several steps."""
+    return (
+        ((None, ShrinkTiling(1, 16, 32, 64, num_warps=4, num_stages=2, programs_per_sm=3)),),
+        ((None, ExpandTiling(1, 16, 16, num_warps=4, num_stages=1, programs_per_sm=3)),),
+    )
+
+
+TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles,
+           "token": token_tiles}
 
 
 @pytest.fixture(params=["default", *TILINGS])
