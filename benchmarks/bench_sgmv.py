@@ -325,21 +325,21 @@ def sweep(args: argparse.Namespace) -> None:
         # Tiles of one token take matrix-vector products whatever block_m is; block_m 1 makes
         # every tile one token (re-reading weights per token when segments are longer).
         shrinks = [base_s] + [
-            replace(base_s, block_m=bm, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
-                    num_stages=st, programs_per_sm=pps, tile_k=tk)
-            for bm, bn, bk, kps, w, st, pps, tk in (
-                (16, 16, 256, 1024, 4, 3, 8, 64), (16, 32, 256, 1024, 4, 3, 8, 32),
-                (16, 32, 128, 1024, 4, 3, 8, 32), (16, 16, 256, 2048, 4, 3, 8, 32),
-                (16, 16, 512, 1024, 4, 2, 8, 32), (1, 16, 256, 1024, 4, 3, 8, None),
+            replace(base_s, block_m=16, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
+                    num_stages=st, programs_per_sm=pps, tile_k=128)
+            for bn, bk, kps, w, st, pps in (
+                (32, 256, 1024, 4, 3, 8), (32, 256, 1024, 4, 3, 16), (32, 512, 1024, 4, 2, 8),
+                (32, 128, 512, 4, 2, 16), (32, 256, 512, 4, 2, 16), (16, 512, 2048, 4, 3, 8),
+                (32, 256, 2048, 4, 3, 8), (64, 256, 1024, 4, 3, 8), (32, 256, 1024, 8, 3, 8),
+                (16, 256, 1024, 2, 3, 16),
             )
         ]
         expands = [base_e] + [
-            replace(base_e, block_m=bm, block_n=bn, block_r=br, num_warps=w, num_stages=st,
-                    programs_per_sm=pps, max_tile=mt, tile_n=tn)
-            for bm, bn, br, w, st, pps, mt, tn in (
-                (16, 512, 64, 4, 1, 16, 8192, 64), (16, 512, 64, 4, 1, 16, 8192, 256),
-                (16, 256, 64, 4, 1, 16, 8192, 128), (16, 512, 64, 4, 1, 16, 4096, 128),
-                (1, 512, 64, 4, 1, 16, 8192, None),
+            replace(base_e, block_m=16, block_n=bn, block_r=br, num_warps=w, num_stages=1,
+                    programs_per_sm=pps, max_tile=mt, tile_n=128)
+            for bn, br, w, pps, mt in (
+                (512, 32, 4, 16, 8192), (512, 64, 4, 16, 16384), (1024, 64, 8, 8, 16384),
+                (512, 16, 4, 16, 8192), (256, 64, 2, 32, 8192),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)

@@ -23,7 +23,11 @@ is (tile, column block); column blocks never cross a slice boundary, so slices o
 widths (GQA q/k/v) are one launch. The rank loop stops at the slot's true rank. Each y element is
 read, updated and written by exactly one program: deterministic, no atomics.
 
-On Hopper both kernels are launched with programmatic dependent launch (see `PDL` below).
+A tile of one token (every decode segment) takes matrix-vector products in one dimension; a tile
+of several takes 16-row tile products (`tl.dot`) over narrower steps. The choice is made per tile
+on the device, so one launch serves both, and the tuning row sizes each path (kernels/
+sgmv_tuning.py). On Hopper both kernels are launched with programmatic dependent launch (see
+`PDL` below).
 
 Rows of h for tokens outside every segment are unspecified (never written); the expand never
 reads them and never touches those rows of y. Inputs are float32, float16 or bfloat16;

@@ -9,18 +9,27 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
 - Few tokens (decode): memory-bound on the adapter weights, and too few (segment, column block)
   pairs to fill 132 SMs, so the shrink cuts the hidden dimension into `k_per_split` pieces
   (split-K, reduced in a fixed order) and the expand uses narrow column blocks.
+- A tile holding one token (a decode segment) takes matrix-vector products over block_n x
+  block_k (shrink) or block_n x the rank (expand); a tile of several tokens takes 16-row tile
+  products over tile_k or tile_n at a time, since its operands cost 16 times the registers and
+  registers decide how many programs an SM holds (`python -m kernels.aot` reads them off the
+  compiled kernels without a GPU). The 16-row product for one live token carried 15 dead rows
+  through the layout changes and the epilogue: 156 registers, 3 programs per SM, where the
+  one-token expand needs 128 and holds 4.
 - Up to 16 tokens under programmatic dependent launch, where a split's A block is read before
-  the kernel waits for the one before it (`bench_sgmv --sweep-small`, H200, 2026-11-24, whole
-  layers over (shrink, expand) pairs): K splits of 512 (8 for hidden 4096, 28 for down) beat
-  256 at both B = 1 (14.7 against 14.8 us/layer with this expand) and B = 8 (25.0 against 26.8).
-- 17-128 tokens (batched decode): the 2026-11-24 sweep (`bench_sgmv --sweep`) picked, at
-  B = D = 64 rank 16, a shrink that splits K 1024-wide with a three-stage pipeline over 128-wide
-  steps (53 against 74 us/layer) and 512-column expand blocks (82 against 89); together 134
-  against 162 us/layer. At B = 64 over 8 adapters they cost about 5 us/layer more.
-- The same row in a pool of max rank 64 (the mixed-rank case, ranks 8-64): a rank step of 16
-  made the expand 329 us/layer; a 512 x 64 tile spills (3.5 ms/layer); 128 columns x a rank
-  step of 64 took 199 (`bench_sgmv --sweep --sweep-cases 4`, H100, 2026-11-24). `max_tile`
-  keeps block_n x block_r at 8,192: 512 x 16 at rank 16 (unchanged), 256 x 32, 128 x 64.
+  the kernel waits for the one before it (`bench_sgmv --sweep-small`, H100, 2026-11-24, whole
+  layers over (shrink, expand) pairs): one-token products over 16 columns and K splits of 1024
+  took B = 1 to 14.0 us/layer (was 14.8) and B = 8 to 22.5 (was 26.3).
+- 17-128 tokens (batched decode), `bench_sgmv --sweep`, H100, 2026-11-24, us/layer: at
+  B = D = 64 rank 16, the shrink over 32 columns and 256-wide hidden steps, split 1024-wide,
+  47.3 (the 16-row tiling 52.4) and the expand over 512 columns 46.5 (71.1). At B = 64 over 8
+  adapters (8-token tiles) tile steps of 128 columns and hidden 128 cost 27.8 + 21.9, against
+  ~24 + 13 for wide 16-row tiles alone: wider tile steps (tile_n 512) raise the kernel's
+  registers and cost B = D = 64 5 us in the expand (51.3 against 46.4). The decode step with 64
+  distinct adapters is the target, so the rows favour it.
+- The same row in a pool of max rank 64 (the mixed-rank case, ranks 8-64): `max_tile` keeps
+  block_n x the rank step at 8,192 elements, so rank-16 pools step 512 x 16 and rank-64 pools
+  128 x 64 (a rank step of 16 made the expand 329 us/layer, a 512 x 64 tile spilled).
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
@@ -66,8 +75,8 @@ NO_SPLIT = 1 << 30
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (16, ShrinkTiling(16, 16, 1024, 1024, num_warps=4, num_stages=1, programs_per_sm=8,
                       tile_k=128)),
-    (128, ShrinkTiling(16, 16, 256, 1024, num_warps=4, num_stages=3, programs_per_sm=8,
-                       tile_k=32)),
+    (128, ShrinkTiling(16, 32, 256, 1024, num_warps=4, num_stages=3, programs_per_sm=16,
+                       tile_k=128)),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
     (None, ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4)),
 )
