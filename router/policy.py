@@ -49,9 +49,14 @@ class Tier(IntEnum):
 
     GPU = 0  # resident: no load
     LOADING = 1  # a load is already under way
-    HOST = 2  # host→GPU copy (about 1.5 ms for a rank-16 Llama-3-8B adapter)
+    HOST = 2  # host→GPU copy into a free slot (about 1.5 ms for a rank-16 Llama-3-8B adapter)
     FREE_SLOT = 3  # disk read + copy, no eviction
-    EVICT = 4  # disk read + copy, and another adapter loses its slot
+    # Host copy, and another adapter loses its slot. Below a free slot elsewhere: an eviction is
+    # paid again when the evicted adapter comes back, and a replica whose host memory holds
+    # everything would otherwise draw every cold adapter while the others' slots stay empty
+    # (seen on two GPUs: all requests on one replica, 1.9x the loads of power of two choices).
+    HOST_EVICT = 4
+    EVICT = 5  # disk read + copy, and another adapter loses its slot
 
 
 class RoutingPolicy(Protocol):
@@ -134,9 +139,11 @@ class AffinityPolicy:
     """Adapter-affinity routing with bounded load.
 
     For an adapter `a`:
-    1. Each replica gets a `Tier` from the view (GPU, loading, host), overridden by the policy's
-       own record: a replica holding outstanding requests for `a` that this policy sent is at
-       least LOADING there, however stale the view.
+    1. Each replica gets a `Tier` from the view (GPU, loading, host, and whether a slot is
+       free there), overridden by the policy's own record: a replica holding outstanding
+       requests for `a` that this policy sent is at least LOADING there, however stale the
+       view. A replica that would have to evict ranks below one with a free slot, even when
+       only the first has `a` in host memory.
     2. The placement order is (tier, rendezvous rank of the replica for `a`): where `a` already
        is comes first, and among equals every router instance agrees.
     3. A replica is overloaded when load + 1 > max(imbalance_bound × m, m + load_slack), m being
@@ -299,11 +306,9 @@ class AffinityPolicy:
             return Tier.GPU
         if adapter in view.loading or (adapter, view.replica_id) in self._outstanding:
             return Tier.LOADING
-        if adapter in view.host:
-            return Tier.HOST
         if view.free_slots > 0:
-            return Tier.FREE_SLOT
-        return Tier.EVICT
+            return Tier.HOST if adapter in view.host else Tier.FREE_SLOT
+        return Tier.HOST_EVICT if adapter in view.host else Tier.EVICT
 
     def num_home(self, adapter: str, mean_load: float, n: int) -> int:
         """How many replicas `adapter`'s demand (counting the request being routed) and its

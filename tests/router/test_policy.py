@@ -56,6 +56,18 @@ class TestWhereTheAdapterIs:
         replicas = [full("busy"), ReplicaView("free", free_slots=1, queue_len=10)]
         assert flat(AffinityPolicy().rank("a", replicas))[0] == "free"
 
+    def test_free_slot_beats_host_memory_that_must_evict(self):
+        # One replica holds every adapter in host memory and its slots are full; the other is
+        # empty. Cold adapters go where no slot is lost, whatever the hash order, while a host
+        # copy into a free slot still beats a disk read.
+        for adapter in (f"lora-{i}" for i in range(20)):
+            replicas = [full("hoarder", queue_len=0, host=frozenset({adapter})),
+                        ReplicaView("empty", free_slots=4, queue_len=0)]
+            assert flat(AffinityPolicy().rank(adapter, replicas))[0] == "empty"
+            replicas[0] = ReplicaView("hoarder", free_slots=1, host=frozenset({adapter}))
+            assert flat(AffinityPolicy().rank(adapter, replicas))[0] == "hoarder"
+        assert AffinityPolicy().tier("a", full("r", host=frozenset({"a"}))) == Tier.HOST_EVICT
+
     def test_own_record_marks_adapter_loading_before_the_stats_show_it(self):
         policy = AffinityPolicy()
         replicas = [full(rid) for rid in ids(8)]
