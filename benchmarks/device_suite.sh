@@ -10,6 +10,7 @@
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
 #   bash benchmarks/device_suite.sh churn128 seeds
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
+#   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
 #
 # Stage lengths seen on an H100: decode 72 s, sgmv-quick 35 s, churn16 349 s (48 requests a
 # cell), churn-large ~520 s (80 a cell; 125 s of it builds the first engine, 126 s the
@@ -73,10 +74,12 @@ for s in "$@"; do
                 --input-len 200:1000 --output-len 100:400 --popularity distinct --modes prefetch --kv-blocks 0 \
                 --max-num-seqs 128 --name seeds_shape \
                 --published "SGLang:ttft_p50_ms=62.65,itl_p50_ms=22.68" ;;
-        router)
-            stage router 560 python -m benchmarks.bench_router_serve --replicas 2 \
+        router | router-uniform)  # one popularity a call: three routers took 346 s on 2 H200s
+            pop=skewed
+            [ "$s" = router-uniform ] && pop=uniform
+            stage "$s" 560 python -m benchmarks.bench_router_serve --replicas 2 \
                 --num-adapters 64 --rank 16 --slots 8 --rate 6 --num-requests 300 \
-                --popularity skewed,uniform --out "$OUT" ;;
+                --popularity "$pop" --name "2x_64a_r16_s8_$pop" --out "$OUT" ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done
