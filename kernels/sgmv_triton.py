@@ -229,23 +229,25 @@ def _sgmv_shrink_kernel(
             # A tile of one token (decode) takes matrix-vector products over x's row alone,
             # BLOCK_K at a time; a tile of several takes tile products, TILE_K at a time (its
             # operands cost BLOCK_M times the registers). Decided per tile at run time.
-            several = BLOCK_M > 1 and end_row - first_row > 1
-            x_row = x_ptr + first_row.to(tl.int64) * stride_xt + offs_k[None, :]  # [1, BLOCK_K]
-            if PRELOAD_A:
-                av = tl.load(a_rows + offs_k[None, :] + k_lo, mask=col_live[:, None], other=0.0)
-                gdc_wait()
-                if not several:
-                    acc += _product(tl.load(x_row + k_lo), av,
-                                    tl.zeros((1, BLOCK_N), dtype=tl.float32), PRECISION)
-            elif not several:
-                acc += _shrink_acc(x_row, a_rows + offs_k[None, :], tl.arange(0, 1) < 1,
-                                   col_live, tl.zeros((1, BLOCK_N), dtype=tl.float32), k_lo,
-                                   k_hi, K, BLOCK_K, EVEN_K, PRECISION)
-            if several:
+            if BLOCK_M > 1 and end_row - first_row > 1:
+                if PRELOAD_A:
+                    gdc_wait()
                 offs_tk = tl.arange(0, TILE_K)
                 x_tile = x_ptr + rows[:, None] * stride_xt + offs_tk[None, :]
                 acc = _shrink_acc(x_tile, a_rows + offs_tk[None, :], row_mask, col_live, acc,
                                   k_lo, k_hi, K, TILE_K, EVEN_K, PRECISION)
+            else:
+                x_row = x_ptr + first_row.to(tl.int64) * stride_xt + offs_k[None, :]  # [1, K]
+                one_row = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+                if PRELOAD_A:
+                    av = tl.load(a_rows + offs_k[None, :] + k_lo, mask=col_live[:, None],
+                                 other=0.0)
+                    gdc_wait()
+                    acc += _product(tl.load(x_row + k_lo), av, one_row, PRECISION)
+                else:
+                    acc += _shrink_acc(x_row, a_rows + offs_k[None, :], tl.arange(0, 1) < 1,
+                                       col_live, one_row, k_lo, k_hi, K, BLOCK_K, EVEN_K,
+                                       PRECISION)
 
             if SPLIT_K == 1:
                 tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
