@@ -52,6 +52,9 @@ class ShrinkTiling:
     # token step block_k at a time.
     tile_k: int | None = None
 
+    def __post_init__(self) -> None:
+        _check_tile_step("tile_k", self.tile_k)
+
 
 @dataclass(frozen=True)
 class ExpandTiling:
@@ -67,6 +70,16 @@ class ExpandTiling:
     # Columns per tile product for tiles of several tokens, a power of two (None: block_n);
     # tiles of one token take the whole block in one matrix-vector product.
     tile_n: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_tile_step("tile_n", self.tile_n)
+
+
+def _check_tile_step(name: str, value: int | None) -> None:
+    """A tile step must divide the block it steps through (both powers of two) and feed
+    `tl.dot`, which needs 16."""
+    if value is not None and (value < 16 or value & (value - 1)):
+        raise ValueError(f"{name} must be a power of two of at least 16, got {value}")
 
 
 NO_SPLIT = 1 << 30

@@ -380,6 +380,17 @@ class TestLaunchers:
             sgmv_triton.triton_expand(h, b, batch, y, (0, 56, 100))
 
 
+class TestTilingRows:
+    @pytest.mark.parametrize("step", [8, 48, 0])
+    def test_tile_steps_must_be_powers_of_two_from_16(self, step):
+        with pytest.raises(ValueError, match="power of two"):
+            ShrinkTiling(16, 32, 256, 1024, num_warps=4, num_stages=3, programs_per_sm=8,
+                         tile_k=step)
+        with pytest.raises(ValueError, match="power of two"):
+            ExpandTiling(16, 512, 16, num_warps=4, num_stages=1, programs_per_sm=16,
+                         tile_n=step)
+
+
 class TestFloat32Caps:
     """Compiled float32 tiles are capped; other dtypes and the interpreter keep the table's."""
 
