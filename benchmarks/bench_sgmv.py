@@ -23,6 +23,7 @@ B[slot_of_token]) and multiplies with torch.bmm, captured in a CUDA graph as wel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
@@ -292,6 +293,10 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
     Case("decode", (1,) * 64, tuple(MIXED_RANKS[i % 4] for i in range(64)), "mixed"),
     Case("prefill", (512,) * 4, (16,) * 4, "16"),
 ]
+SWEEP_EXTRA = [  # --sweep-cases 6 and 7: many tokens over few adapters, one tile per 16
+    Case("decode", (128,), (16,), "16"),
+    Case("decode", (16,) * 8, (64,) * 8, "64"),
+]
 
 
 def sweep(args: argparse.Namespace) -> None:
@@ -303,7 +308,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     from benchmarks.common import time_cuda
     from kernels import sgmv_triton
-    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
+    from kernels.sgmv_tuning import EXPAND_TABLE, NO_SPLIT, pick
 
     noop = torch.zeros(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -315,52 +320,51 @@ def sweep(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda")
     # the bandwidth target first, then a few tokens per adapter, then latency at B = 1
-    for case in (QUICK[i] for i in args.sweep_cases):
+    for case in ((QUICK + SWEEP_EXTRA)[i] for i in args.sweep_cases):
         p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
                          device)
         p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
                                             len(p.shapes[g][1])) for g in p.shapes}
-        base_s, base_e = pick(SHRINK_TABLE, case.num_tokens), pick(EXPAND_TABLE, case.num_tokens)
-        # block_m 1: one token per tile, matrix-vector products (decode: a token per segment)
-        # Tiles of one token take matrix-vector products whatever block_m is; block_m 1 makes
-        # every tile one token (re-reading weights per token when segments are longer).
+        base_s = pick(sgmv_triton._shrink_table(p.batch.one_token_segments), case.num_tokens)
+        base_e = pick(EXPAND_TABLE, case.num_tokens)
+        # block_m 1: every tile one token, each item whole rows of A (max_a_block elements, no
+        # split-K; a segment of several tokens re-reads its weights per token, from L2);
+        # block_m 16: 16-token tiles with split-K
         shrinks = [base_s] + [
-            replace(base_s, block_m=16, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
-                    num_stages=st, programs_per_sm=pps, tile_k=128)
-            for bn, bk, kps, w, st, pps in (
-                (32, 256, 1024, 4, 3, 8), (32, 256, 1024, 4, 3, 16), (32, 512, 1024, 4, 2, 8),
-                (32, 128, 512, 4, 2, 16), (32, 256, 512, 4, 2, 16), (16, 512, 2048, 4, 3, 8),
-                (32, 256, 2048, 4, 3, 8), (64, 256, 1024, 4, 3, 8), (32, 256, 1024, 8, 3, 8),
-                (16, 256, 1024, 2, 3, 16),
+            replace(base_s, block_m=bm, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
+                    num_stages=st, programs_per_sm=pps, max_a_block=ma)
+            for bm, bn, bk, kps, w, st, pps, ma in (
+                (1, 16, 16384, NO_SPLIT, 4, 1, 8, 4096),
+                (16, 32, 256, 1024, 4, 3, 16, None),
+                (16, 32, 256, 1024, 8, 3, 8, 4096), (16, 32, 256, 1024, 4, 1, 16, 4096),
+                (16, 32, 256, 1024, 8, 3, 8, 8192), (16, 32, 256, 1024, 8, 2, 4, 4096),
+                (16, 16, 256, 1024, 8, 3, 8, 4096),
             )
         ]
         expands = [base_e] + [
-            replace(base_e, block_m=16, block_n=bn, block_r=br, num_warps=w, num_stages=1,
-                    programs_per_sm=pps, max_tile=mt, tile_n=128)
-            for bn, br, w, pps, mt in (
-                (512, 32, 4, 16, 8192), (512, 64, 4, 16, 16384), (1024, 64, 8, 8, 16384),
-                (512, 16, 4, 16, 8192), (256, 64, 2, 32, 8192),
+            replace(base_e, block_m=1, block_n=bn, num_warps=w, programs_per_sm=pps, max_tile=mt)
+            for bn, w, pps, mt in (
+                (512, 4, 16, 8192), (256, 4, 16, 8192), (1024, 8, 8, 16384), (512, 4, 8, 8192),
+                (128, 4, 16, 8192),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
-        for kind, table_name, candidates, layer_fn in (
-            ("shrink", "SHRINK_TABLE", shrinks, shrink_layer),
-            ("expand", "EXPAND_TABLE", expands, expand_layer),
+        for kind, candidates, layer_fn in (
+            ("shrink", shrinks, shrink_layer),
+            ("expand", expands, expand_layer),
         ):
             if args.sweep_kernel not in (None, kind):
                 continue
-            saved = getattr(sgmv_triton, table_name)
             results = []
             for t in candidates:
-                setattr(sgmv_triton, table_name, ((None, t),))
                 try:
-                    us = graph_us_per_layer(p, layer_fn)  # all four groups: one layer's worth
+                    with only_rows(**{kind: t}):
+                        us = graph_us_per_layer(p, layer_fn)  # all four groups: one layer
                 except Exception as e:  # a tiling the compiler or the GPU refuses
                     print(f"{kind} {t} failed: {type(e).__name__}: {e}", flush=True)
                     continue
                 results.append((us, t))
                 print(f"{kind} {t} {us:.2f}", flush=True)
-            setattr(sgmv_triton, table_name, saved)
             if results:
                 best_us, best = min(results, key=lambda r: r[0])
                 print(f"best {kind} at {case.num_tokens} tokens: {best_us:.2f} us/layer "
@@ -472,43 +476,62 @@ def inspect(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def only_rows(shrink=None, expand=None):
+    """Every launch inside takes these tilings (None: the kernel's tables as they are)."""
+    from kernels import sgmv_triton
+
+    names = ("SHRINK_TABLE", "SHRINK_ONE_TOKEN_TABLE", "EXPAND_TABLE")
+    saved = {n: getattr(sgmv_triton, n) for n in names}
+    if shrink is not None:
+        sgmv_triton.SHRINK_TABLE, sgmv_triton.SHRINK_ONE_TOKEN_TABLE = ((None, shrink),), ()
+    if expand is not None:
+        sgmv_triton.EXPAND_TABLE = ((None, expand),)
+    try:
+        yield
+    finally:
+        for n, table in saved.items():
+            setattr(sgmv_triton, n, table)
+
+
 def sweep_small(args: argparse.Namespace) -> None:
     """The <= 16-token row, whole layers: every (shrink, expand) pair of candidates at B = 1 and
     B = 8, since under programmatic dependent launch a kernel's cost depends on its neighbour
     (its prologue and first weight read overlap the kernel before). Prints; writes nothing."""
     from dataclasses import replace
 
-    from kernels import sgmv_triton
-    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
+    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, ShrinkTiling, pick
 
     device = torch.device("cuda")
     base_s, base_e = pick(SHRINK_TABLE, 1), pick(EXPAND_TABLE, 1)
-    # tiles of one token (the decode batches' shape) take matrix-vector products
-    shrinks = [base_s] + [
-        replace(base_s, block_n=bn, block_k=bk, k_per_split=bk, num_warps=w)
-        for bn, bk, w in ((16, 512, 4), (32, 512, 4), (16, 1024, 8), (16, 2048, 8))
+    # tiles of one token (the decode batches' shape) take matrix-vector products; the row's
+    # shrink splits no K: each item holds a few whole rows of A (max_a_block elements), read
+    # before the wait, and writes h itself (no partials, no arrival, no reducer)
+    split_k = ShrinkTiling(16, 16, 1024, 1024, num_warps=4, num_stages=1, programs_per_sm=8,
+                           tile_k=128)  # the row before: K splits of 1024, reduced on arrival
+    shrinks = [base_s, split_k] + [
+        replace(base_s, num_warps=w, programs_per_sm=pps, max_a_block=ma)
+        for ma, w, pps in ((4096, 4, 8), (8192, 4, 16), (4096, 4, 16))
     ]
     expands = [base_e] + [
-        replace(base_e, block_n=bn, num_warps=w, programs_per_sm=pps)
-        for bn, w, pps in ((256, 4, 16), (512, 4, 16), (64, 2, 16))
+        replace(base_e, block_m=1, block_n=bn, num_warps=w, programs_per_sm=pps)
+        for bn, w, pps in ((128, 4, 16), (256, 4, 16), (64, 2, 16))
     ]
-    saved = sgmv_triton.SHRINK_TABLE, sgmv_triton.EXPAND_TABLE
-    for case in (QUICK[0], QUICK[1]):
+    for case in (QUICK[0], QUICK[1], Case("decode", (16,), (16,), "16")):
         p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
                          device)
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
         results = []
         for t_s in shrinks:
             for t_e in expands:
-                sgmv_triton.SHRINK_TABLE, sgmv_triton.EXPAND_TABLE = ((None, t_s),), ((None, t_e),)
                 try:
-                    us = graph_us_per_layer(p, sgmv_layer)
+                    with only_rows(shrink=t_s, expand=t_e):
+                        us = graph_us_per_layer(p, sgmv_layer)
                 except Exception as e:  # a tiling the compiler or the GPU refuses
                     print(f"{t_s} {t_e} failed: {type(e).__name__}: {e}", flush=True)
                     continue
                 results.append((us, t_s, t_e))
                 print(f"{us:.2f} us/layer: {t_s} {t_e}", flush=True)
-        sgmv_triton.SHRINK_TABLE, sgmv_triton.EXPAND_TABLE = saved
         best = min(results, key=lambda r: r[0])
         print(f"best at {case.num_tokens} tokens: {best[0]:.2f} us/layer (table row "
               f"{results[0][0]:.2f}): {best[1]} {best[2]}", flush=True)
@@ -596,7 +619,8 @@ def main() -> None:
     ap.add_argument("--sweep-cases", default="2,3,0",
                     type=lambda v: [int(i) for i in v.split(",")],
                     help="which quick cases --sweep times (indices: 0 B=1, 1 B=8, 2 B=D=64, "
-                         "3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill)")
+                         "3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill, 6 B=128 over one "
+                         "adapter, 7 B=128 over 8 adapters of rank 64)")
     ap.add_argument("--sweep-kernel", choices=["shrink", "expand"], default=None,
                     help="--sweep times only this kernel's candidates")
     ap.add_argument("--sweep-small", action="store_true",

@@ -84,14 +84,15 @@ def usage(compiled) -> Usage:
 
 
 def shrink(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
-           segments: int = 64, slots: int = 64):
-    """The shrink kernel as `triton_shrink` would launch it for this shape."""
+           segments: int = 64, slots: int = 64, one_token: bool = False):
+    """The shrink kernel as `triton_shrink` would launch it for this shape (`one_token`: for a
+    batch whose every segment is one token)."""
     from kernels import sgmv_triton as st
 
     hidden, outs = GROUPS[group]
     float32 = dtype == "float32"
-    plan = st._shrink_plan(st.SHRINK_TABLE, tokens, hidden, len(outs) * max_rank, max_rank,
-                           segments, slots, float32, NUM_SMS, pdl)
+    plan = st._shrink_plan(st._shrink_table(one_token), tokens, hidden, len(outs) * max_rank,
+                           max_rank, segments, slots, float32, NUM_SMS, pdl)
     p = _POINTER[dtype]
     types = dict(x_ptr=p, a_ptr=p, h_ptr=p, part_ptr="*fp32", lock_ptr="*i32",
                  seg_indptr_ptr="*i32", seg_slots_ptr="*i32", slot_ranks_ptr="*i32",
@@ -135,10 +136,22 @@ def _torch_dtype(name: str):
 
 def table_token_counts() -> list[int]:
     """One token count per row of either table (each row's bound, 4096 for the open row)."""
-    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE
+    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_TABLE
 
-    bounds = {b if b is not None else 4096 for b, _ in SHRINK_TABLE + EXPAND_TABLE}
+    rows = SHRINK_TABLE + SHRINK_ONE_TOKEN_TABLE + EXPAND_TABLE
+    bounds = {b if b is not None else 4096 for b, _ in rows}
     return sorted(bounds | {1})
+
+
+def kernel_variants(tokens: int) -> list[tuple[str, bool]]:
+    """(kernel, one_token) pairs to compile at a token count: the shrink once more where batches
+    whose every segment is one token pick another row."""
+    from kernels import sgmv_triton as st
+
+    shrinks = [("shrink", False)]
+    if st.one_token_variant_differs(tokens):
+        shrinks.append(("shrink", True))
+    return shrinks + [("expand", False)]
 
 
 def main() -> None:
@@ -154,11 +167,17 @@ def main() -> None:
         for dtype in args.dtypes:
             for pdl in (True, False):
                 for group in args.groups:
-                    for name, build in (("shrink", shrink), ("expand", expand)):
-                        compiled, plan = build(tokens, group, dtype, pdl, args.max_rank)
+                    for name, one_token in kernel_variants(tokens):
+                        if name == "shrink":
+                            compiled, plan = shrink(tokens, group, dtype, pdl, args.max_rank,
+                                                    one_token=one_token)
+                        else:
+                            compiled, plan = expand(tokens, group, dtype, pdl, args.max_rank)
                         u = usage(compiled)
                         warps = plan.constants["num_warps"]
+                        kind = "one-token" if one_token else "any"
                         print(f"{name:6} tokens {tokens:5} {group:7} {dtype:8} pdl {pdl!s:5} "
+                              f"segments {kind:9} "
                               f"regs {u.registers:3} stack {u.stack:3} local {u.local:3} "
                               f"warps {warps} programs/SM {u.programs_per_sm(warps)}",
                               flush=True)

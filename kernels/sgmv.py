@@ -43,9 +43,16 @@ class SgmvBatch:
     slot_ranks_host: tuple[int, ...]  # host copy of slot_ranks
     slot_scalings_host: tuple[float, ...]  # host copy of slot_scalings
     num_tokens: int
+    # Every segment holds one token (a decode step over distinct adapters): a static hint that
+    # lets a backend pick tilings for it; results never depend on it. None: from the host lists
+    # (a captured CUDA graph sets it for the batches it will replay).
+    one_token_segments: bool | None = None
 
     def __post_init__(self) -> None:
         assert len(self.seg_starts) == len(self.seg_ends) == len(self.seg_slots_host)
+        if self.one_token_segments is None:
+            one = all(e - s == 1 for s, e in zip(self.seg_starts, self.seg_ends, strict=True))
+            object.__setattr__(self, "one_token_segments", one)
         for s, e in zip(self.seg_starts, self.seg_ends, strict=True):
             assert 0 <= s < e <= self.num_tokens, "segments must be non-empty and in range"
         # Checked once per step here rather than in every kernel launch of every layer.

@@ -60,7 +60,7 @@ except ImportError:  # an older Triton: never launched with PDL, so these are ne
 
 from kernels.launch import cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
-from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, pick
+from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_TABLE, pick
 
 MAX_SLICES = 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -157,6 +157,103 @@ def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
 
 
 @triton.jit
+def _shrink_token(x_ptr, a_ptr, row, slot, rank, cols, k_lo, k_hi, K, stride_xt,
+                  stride_as, stride_ar, stride_ht, MAX_RANK: tl.constexpr,
+                  NUM_COLS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr):
+    """h[row, cols] (or its split-K partial: the float32 sum over hidden [k_lo, k_hi)) for one
+    token: a matrix-vector product over x's row, BLOCK_K at a time. With PRELOAD_A the range is
+    one step, and its A block is read before `gdc_wait`."""
+    col_in = cols < NUM_COLS
+    col_live = col_in & ((cols % MAX_RANK) < rank)  # rank index within its slice
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_k[None, :]  # [N, K]
+    x_row = x_ptr + row * stride_xt + offs_k[None, :]  # [1, K]
+    acc = tl.zeros((1, cols.shape[0]), dtype=tl.float32)
+    if PRELOAD_A:
+        k_in = (k_lo + offs_k < K) | EVEN_K
+        av = tl.load(a_rows + k_lo, mask=col_live[:, None] & k_in[None, :], other=0.0)
+        gdc_wait()
+        xv = tl.load(x_row + k_lo, mask=k_in[None, :], other=0.0)
+        acc = _product(xv, av, acc, PRECISION)
+    else:
+        if PDL:
+            gdc_wait()
+        acc = _shrink_acc(x_row, a_rows, tl.arange(0, 1) < 1, col_live, acc, k_lo, k_hi, K,
+                          BLOCK_K, EVEN_K, PRECISION)
+    return acc
+
+
+@triton.jit
+def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, slot, rank, j,
+                 cb, ks, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
+                 MAX_RANK: tl.constexpr, NUM_COLS: tl.constexpr, NUM_CB: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                 PRELOAD_A: tl.constexpr):
+    """Work item (tile j, column block cb, K split ks): h for the tile's rows and the block's
+    columns; with split-K, this split's partial, and the sum of all if it arrives last."""
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = (first_row + offs_m).to(tl.int64)
+    row_mask = rows < end_row
+    cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_in = cols < NUM_COLS
+    col_live = col_in & ((cols % MAX_RANK) < rank)  # rank index within its slice
+    out_mask = row_mask[:, None] & col_in[None, :]
+    h_ptrs = h_ptr + rows[:, None] * stride_ht + cols[None, :]
+
+    if tl.sum(col_live.to(tl.int32), axis=0) > 0:
+        k_lo = ks * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # A tile of one token (decode) takes matrix-vector products over x's row alone,
+        # BLOCK_K at a time; a tile of several takes tile products, TILE_K at a time (its
+        # operands cost BLOCK_M times the registers). Decided per tile at run time.
+        if BLOCK_M > 1 and end_row - first_row > 1:
+            if PDL:
+                gdc_wait()
+            offs_tk = tl.arange(0, TILE_K)
+            a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_tk[None, :]
+            x_tile = x_ptr + rows[:, None] * stride_xt + offs_tk[None, :]
+            acc = _shrink_acc(x_tile, a_rows, row_mask, col_live, acc, k_lo, k_hi, K, TILE_K,
+                              EVEN_K, PRECISION)
+        else:
+            acc += _shrink_token(x_ptr, a_ptr, first_row.to(tl.int64), slot, rank, cols,
+                                 k_lo, k_hi, K, stride_xt, stride_as, stride_ar, stride_ht,
+                                 MAX_RANK, NUM_COLS, BLOCK_K, EVEN_K, PRECISION, PDL,
+                                 PRELOAD_A)
+
+        if SPLIT_K == 1:
+            tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            part_rows = rows[:, None] * NUM_COLS + cols[None, :]
+            split_stride = num_tokens * NUM_COLS
+            tl.store(part_ptr + ks * split_stride + part_rows, acc, mask=out_mask)
+            # Every thread's partial is stored before the (release) arrival is counted.
+            tl.debug_barrier()
+            lock = lock_ptr + j * NUM_CB + cb
+            arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # last split: sum all partials in split order
+                tl.debug_barrier()
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # unrolled: every load in flight at once
+                    total += tl.load(
+                        part_ptr + s * split_stride + part_rows,
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",  # from L2: other SMs wrote these
+                    )
+                tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+    elif ks == 0:  # every column past the slot's rank: zeros, no weights read
+        if PDL:
+            gdc_wait()
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
+        tl.store(h_ptrs, zeros, mask=out_mask)
+
+
+@triton.jit
 def _sgmv_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [num_slots, NUM_COLS, K]
@@ -198,85 +295,20 @@ def _sgmv_shrink_kernel(
     slot_ids = tl.arange(0, BLOCK_SLOTS)
     slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_ids < num_slots, other=0)
     # Under PDL the previous kernel may still be running: x, h, the partials and the counters
-    # are its to write or read until `gdc_wait`. A one-step item loads its A block first, so
-    # the weight read overlaps that kernel; otherwise the wait comes before the first item.
-    if PDL and not PRELOAD_A:
-        gdc_wait()
+    # are its to write or read until `gdc_wait`, which every item path calls before touching
+    # them (after reading its A block, where the item is one hidden step).
     num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         ks = item % SPLIT_K
         cb = (item // SPLIT_K) % NUM_CB
         j = item // (SPLIT_K * NUM_CB)
         first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M)
         rank = _slot_value(slot, slot_ids, slot_ranks)
-        slot = slot.to(tl.int64)
-        rows = (first_row + offs_m).to(tl.int64)
-        row_mask = rows < end_row
-        cols = cb * BLOCK_N + offs_n
-        col_in = cols < NUM_COLS
-        col_live = col_in & ((cols % MAX_RANK) < rank)  # rank index within its slice
-        out_mask = row_mask[:, None] & col_in[None, :]
-        h_ptrs = h_ptr + rows[:, None] * stride_ht + cols[None, :]
-
-        if tl.sum(col_live.to(tl.int32), axis=0) > 0:
-            k_lo = ks * K_PER_SPLIT
-            k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-            a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar  # [BLOCK_N, 1]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            # A tile of one token (decode) takes matrix-vector products over x's row alone,
-            # BLOCK_K at a time; a tile of several takes tile products, TILE_K at a time (its
-            # operands cost BLOCK_M times the registers). Decided per tile at run time.
-            if BLOCK_M > 1 and end_row - first_row > 1:
-                if PRELOAD_A:
-                    gdc_wait()
-                offs_tk = tl.arange(0, TILE_K)
-                x_tile = x_ptr + rows[:, None] * stride_xt + offs_tk[None, :]
-                acc = _shrink_acc(x_tile, a_rows + offs_tk[None, :], row_mask, col_live, acc,
-                                  k_lo, k_hi, K, TILE_K, EVEN_K, PRECISION)
-            else:
-                x_row = x_ptr + first_row.to(tl.int64) * stride_xt + offs_k[None, :]  # [1, K]
-                one_row = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-                if PRELOAD_A:
-                    av = tl.load(a_rows + offs_k[None, :] + k_lo, mask=col_live[:, None],
-                                 other=0.0)
-                    gdc_wait()
-                    acc += _product(tl.load(x_row + k_lo), av, one_row, PRECISION)
-                else:
-                    acc += _shrink_acc(x_row, a_rows + offs_k[None, :], tl.arange(0, 1) < 1,
-                                       col_live, one_row, k_lo, k_hi, K, BLOCK_K, EVEN_K,
-                                       PRECISION)
-
-            if SPLIT_K == 1:
-                tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
-            else:
-                part_rows = rows[:, None] * NUM_COLS + cols[None, :]
-                split_stride = num_tokens * NUM_COLS
-                tl.store(part_ptr + ks * split_stride + part_rows, acc, mask=out_mask)
-                # Every thread's partial is stored before the (release) arrival is counted.
-                tl.debug_barrier()
-                lock = lock_ptr + j * NUM_CB + cb
-                arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT_K - 1:  # last split: sum all partials in split order
-                    tl.debug_barrier()
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT_K):  # unrolled: every load in flight at once
-                        total += tl.load(
-                            part_ptr + s * split_stride + part_rows,
-                            mask=out_mask,
-                            other=0.0,
-                            cache_modifier=".cg",  # from L2: other SMs wrote these
-                        )
-                    tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
-                    tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-        elif ks == 0:  # every column past the slot's rank: zeros, no weights read
-            if PRELOAD_A:
-                gdc_wait()
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
-            tl.store(h_ptrs, zeros, mask=out_mask)
-    if PRELOAD_A:  # a program without items still waits: no kernel ends before the one it follows
+        _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
+                     slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt, stride_as,
+                     stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M, BLOCK_N, BLOCK_K,
+                     TILE_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL, PRELOAD_A)
+    if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
 
@@ -427,7 +459,8 @@ def triton_shrink(
     if num_segments == 0:
         return h
 
-    plan = _shrink_plan(SHRINK_TABLE, num_tokens, hidden, num_cols, max_rank, num_segments,
+    plan = _shrink_plan(_shrink_table(batch.one_token_segments), num_tokens, hidden, num_cols,
+                        max_rank, num_segments,
                         batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device),
                         _pdl_enabled(x.device))
     if plan.split_k > 1:
@@ -482,6 +515,18 @@ def triton_expand(
     )
 
 
+def _shrink_table(one_token_segments: bool) -> tuple:
+    """The shrink's tuning rows for a batch: when every segment is one token, the one-token
+    table's rows come first. A hint about speed only: every row computes every batch."""
+    return SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE if one_token_segments else SHRINK_TABLE
+
+
+def one_token_variant_differs(num_tokens: int) -> bool:
+    """Whether a launch over `num_tokens` tokens picks another shrink tiling when every segment
+    is one token (a CUDA graph of that size then needs a variant for each)."""
+    return pick(_shrink_table(True), num_tokens) != pick(_shrink_table(False), num_tokens)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """A launch's grid and compile-time constants, which depend on shapes alone."""
@@ -500,10 +545,12 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
                  num_segments: int, num_slots: int, float32: bool, num_sms: int,
                  pdl: bool = False) -> _Plan:
     t = pick(table, num_tokens, float32=float32)
-    block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
     k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
     split_k = cdiv(hidden, k_per_split)
+    block_n = min(t.block_n, _pow2_at_least_16(num_cols))
+    if t.max_a_block is not None:  # wide hidden sizes: fewer whole rows of A per item
+        block_n = min(block_n, _pow2_at_most(max(1, t.max_a_block // k_per_split)))
     num_cb = cdiv(num_cols, block_n)
     bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
     constants = dict(
@@ -516,7 +563,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k,
         EVEN_K=hidden % block_k == 0,
-        PRELOAD_A=pdl and k_per_split == block_k and hidden % block_k == 0,
+        PRELOAD_A=pdl and k_per_split == block_k,
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
     return _Plan(grid, constants, split_k, bound_tiles * num_cb)
@@ -592,6 +639,10 @@ def _slot_block(num_slots: int) -> int:
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, next_pow2(n))
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def _unrolled(t: torch.Tensor) -> bool:

@@ -7,26 +7,31 @@ device values.
 
 Why these rows (H100, bf16, Llama-3-8B shapes):
 - Few tokens (decode): memory-bound on the adapter weights, and too few (segment, column block)
-  pairs to fill 132 SMs, so the shrink cuts the hidden dimension into `k_per_split` pieces
-  (split-K, reduced in a fixed order) and the expand uses narrow column blocks.
+  pairs to fill 132 SMs with whole tiles.
 - A tile holding one token (a decode segment) takes matrix-vector products over block_n x
   block_k (shrink) or block_n x the rank (expand); a tile of several tokens takes 16-row tile
   products over tile_k or tile_n at a time, since its operands cost 16 times the registers and
   registers decide how many programs an SM holds (`python -m kernels.aot` reads them off the
-  compiled kernels without a GPU). The 16-row product for one live token carried 15 dead rows
-  through the layout changes and the epilogue: 156 registers, 3 programs per SM, where the
-  one-token expand needs 128 and holds 4.
-- Up to 16 tokens under programmatic dependent launch, where a split's A block is read before
-  the kernel waits for the one before it (`bench_sgmv --sweep-small`, H100, 2026-11-24, whole
-  layers over (shrink, expand) pairs): one-token products over 16 columns and K splits of 1024
-  took B = 1 to 14.0 us/layer (was 14.8) and B = 8 to 22.5 (was 26.3).
-- 17-128 tokens (batched decode), `bench_sgmv --sweep`, H100, 2026-11-24, us/layer: at
-  B = D = 64 rank 16, the shrink over 32 columns and 256-wide hidden steps, split 1024-wide,
-  47.3 (the 16-row tiling 52.4) and the expand over 512 columns 46.5 (71.1). At B = 64 over 8
-  adapters (8-token tiles) tile steps of 128 columns and hidden 128 cost 27.8 + 21.9, against
-  ~24 + 13 for wide 16-row tiles alone: wider tile steps (tile_n 512) raise the kernel's
-  registers and cost B = D = 64 5 us in the expand (51.3 against 46.4). The decode step with 64
-  distinct adapters is the target, so the rows favour it.
+  compiled kernels without a GPU).
+- Up to 16 tokens, and batches whose every segment is one token up to 128 (decode over
+  distinct adapters; `SHRINK_ONE_TOKEN_TABLE`): one-token tiles (block_m 1), no split-K, each
+  item a few whole rows of A (`max_a_block` elements: 1 row of the down projection's 14,336,
+  1 of 4,096 elsewhere) read before the kernel waits for the one before it, and h written by
+  the item itself: no partials, no arrival counter, no reducer between two kernels. H100,
+  2026-11-24, `bench_sgmv --sweep-small` (whole layers) and `--sweep` (shrink alone), us/layer:
+  B = 1 14.1 -> 8.8, B = 8 D = 8 23.2 -> 17.3, B = 16 over one adapter 35.4 -> 13.7 (its
+  one-token tiles re-read A from L2); shrink at B = D = 64 47.4 -> 39.5, mixed ranks 78.7 ->
+  67.9. The same tiling for segments of several tokens past 16 re-reads A once per token:
+  B = 128 over one adapter 24 -> 50, over 8 rank-64 adapters 32 -> 204, hence the second table,
+  chosen by a static property of the batch the host knows (CUDA graphs capture both variants).
+  Handling one-token segments with their own items inside the 16-token-tile kernel lost: that
+  kernel's registers (168-212) left the one-token items 3 programs per SM (B = D = 64: 56.9).
+- 17-128 tokens with segments of several tokens (batched decode, one adapter shared by many
+  requests), `bench_sgmv --sweep`, H100, 2026-11-24, us/layer: the shrink over 32 columns and
+  256-wide hidden steps, split 1024-wide; at B = 64 over 8 adapters 23.0 (block_m 1: 31.4). The
+  expand over 512 columns: 46.6 at B = D = 64 (71.1 for the 16-row tiling); at B = 64 over 8
+  adapters tile steps of 128 columns cost 21.8 against ~13 for wide 16-row tiles alone, but
+  wider tile steps (tile_n 512) raise the kernel's registers and cost B = D = 64 5 us.
 - The same row in a pool of max rank 64 (the mixed-rank case, ranks 8-64): `max_tile` keeps
   block_n x the rank step at 8,192 elements, so rank-16 pools step 512 x 16 and rank-64 pools
   128 x 64 (a rank step of 16 made the expand 329 us/layer, a 512 x 64 tile spilled).
@@ -51,9 +56,16 @@ class ShrinkTiling:
     # Hidden step for tiles of several tokens, a power of two (None: block_k); tiles of one
     # token step block_k at a time.
     tile_k: int | None = None
+    # At most this many A elements per item (block_n x k_per_split), for rows of one-token tiles
+    # (block_m 1) without split-K: a wide hidden size (the down projection's) gets fewer
+    # columns per item, so whole rows of A still fit one program's registers. None: block_n.
+    max_a_block: int | None = None
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_k", self.tile_k)
+        if self.max_a_block is not None and self.block_m >= 16:
+            raise ValueError("max_a_block narrows column blocks below tl.dot's 16 columns: "
+                             "only for rows of one-token tiles (block_m < 16)")
 
 
 @dataclass(frozen=True)
@@ -86,12 +98,20 @@ NO_SPLIT = 1 << 30
 
 # (max tokens or None, tiling), first match wins.
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (16, ShrinkTiling(16, 16, 1024, 1024, num_warps=4, num_stages=1, programs_per_sm=8,
-                      tile_k=128)),
+    (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
+                      max_a_block=4096)),
     (128, ShrinkTiling(16, 32, 256, 1024, num_warps=4, num_stages=3, programs_per_sm=16,
                        tile_k=128)),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
     (None, ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4)),
+)
+
+# Rows for batches whose every segment is one token (decode over distinct adapters), ahead of
+# SHRINK_TABLE's: `triton_shrink` searches this table first for such batches, and falls through
+# to SHRINK_TABLE's rows past its bounds.
+SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
+    (128, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
+                       max_a_block=4096)),
 )
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (

@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (two where the SGMV
+tilings differ for steps whose every LoRA segment is one token).
 
 A decode step (every sequence feeds one token) has the same kernels every time; only the
 contents of a few small tensors change. Each bucket's forward pass is captured once over static
@@ -56,13 +57,16 @@ class DecodeGraphs:
         self.q_starts = torch.arange(m + 1, **i32)  # one token per row, always
         self.seg_indptr = torch.zeros(m + 1, **i32)
         self.seg_slots = torch.zeros(m, **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
+        # Per bucket, a graph for steps whose every LoRA segment is one token (decode over
+        # distinct adapters) and, where the SGMV tilings differ for them, one for the rest.
+        self.variants = {b: _segment_variants(b) for b in self.buckets}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _context(self, b: int) -> StepContext:
+    def _context(self, b: int, one_token: bool) -> StepContext:
         attn = AttentionBatch(
             q_starts=list(range(b + 1)),  # host shape only: the decode kernel reads the tensors
             ctx_lens=[1] * b,
@@ -85,6 +89,7 @@ class DecodeGraphs:
             slot_ranks_host=tuple(pool.ranks_host),
             slot_scalings_host=tuple(pool.scalings_host),
             num_tokens=b,
+            one_token_segments=one_token,
         )
         return StepContext(attn, lora, self.kv_caches, pool, self.attention)
 
@@ -92,16 +97,19 @@ class DecodeGraphs:
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
-            ctx = self._context(b)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compile kernels and settle allocations first
-                self.model(self.input_ids[:b], self.positions[:b], ctx)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[b] = self.model(self.input_ids[:b], self.positions[:b], ctx)
-            self.graphs[b] = graph
+            for one_token in self.variants[b]:
+                ctx = self._context(b, one_token)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # compile kernels and settle allocations first
+                    self.model(self.input_ids[:b], self.positions[:b], ctx)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.hidden[b, one_token] = self.model(
+                        self.input_ids[:b], self.positions[:b], ctx
+                    )
+                self.graphs[b, one_token] = graph
         torch.cuda.synchronize()
 
     def run(
@@ -134,5 +142,15 @@ class DecodeGraphs:
         bounds += [pos] * (b + 1 - len(bounds))
         stage.copy_into(self.seg_indptr[: b + 1], bounds, torch.int32)
         stage.copy_into(self.seg_slots[:b], seg_slots + [0] * (b - len(seg_slots)), torch.int32)
-        self.graphs[b].replay()
-        return self.hidden[b][:n]
+        one_token = all(length == 1 for length in seg_lens)
+        key = (b, one_token or len(self.variants[b]) == 1)
+        self.graphs[key].replay()
+        return self.hidden[key][:n]
+
+
+def _segment_variants(num_tokens: int) -> tuple[bool, ...]:
+    """The `one_token_segments` values a bucket needs a graph for: both where the SGMV shrink
+    picks another tiling when every segment is one token, else one graph (True) for all."""
+    from kernels.sgmv_triton import one_token_variant_differs
+
+    return (True, False) if one_token_variant_differs(num_tokens) else (True,)

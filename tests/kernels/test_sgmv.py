@@ -7,7 +7,7 @@ tuning tables' tilings are checked as data.
 """
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -27,6 +27,7 @@ from kernels.sgmv_tuning import (  # noqa: E402
     EXPAND_TABLE,
     FLOAT32_CAPS,
     NO_SPLIT,
+    SHRINK_ONE_TOKEN_TABLE,
     SHRINK_TABLE,
     ExpandTiling,
     ShrinkTiling,
@@ -114,8 +115,18 @@ def token_tiles() -> tuple:
     )
 
 
+def unsplit_tiles() -> tuple:
+    """Decode tiles of one token without split-K: a column block narrowed to the few whole rows
+    of A that `max_a_block` allows (fewer for a wider hidden size), each item writing h itself."""
+    return (
+        ((None, ShrinkTiling(1, 16, 64, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=3,
+                             max_a_block=128)),),
+        ((None, ExpandTiling(1, 16, 16, num_warps=4, num_stages=1, programs_per_sm=3)),),
+    )
+
+
 TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles,
-           "token": token_tiles}
+           "token": token_tiles, "unsplit": unsplit_tiles}
 
 
 @pytest.fixture(params=["default", *TILINGS])
@@ -125,6 +136,7 @@ def tiling(request, monkeypatch):
     if request.param != "default":
         shrink, expand = TILINGS[request.param]()
         monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
+        monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", ())
         monkeypatch.setattr(sgmv_triton, "EXPAND_TABLE", expand)
     return request.param
 
@@ -357,6 +369,34 @@ class TestLaunchers:
         assert e_swapped.constants["BLOCK_M"] == expand[0][1].block_m
         assert e_swapped.constants != e_default.constants
 
+    def test_one_token_batches_pick_their_own_rows(self):
+        args = (64, 4096, 48, 16, 64, 64, False, 132)
+        one = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True), *args)
+        any_ = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(False), *args)
+        assert one.constants["BLOCK_M"] == 1 and one.split_k == 1
+        assert any_.constants["BLOCK_M"] == 16 and any_.split_k > 1
+        # a CUDA graph needs a variant only where the rows differ
+        assert sgmv_triton.one_token_variant_differs(64)
+        assert not sgmv_triton.one_token_variant_differs(1)
+        assert not sgmv_triton.one_token_variant_differs(1024)
+
+    @pytest.mark.parametrize("batch_name", ["decode_distinct", "long_segments",
+                                            "slot_in_two_segments"])
+    def test_the_one_token_hint_never_changes_results(self, monkeypatch, batch_name):
+        # Told wrongly that every segment is one token, the launch still computes every token.
+        shrink, _ = small_tiles()
+        monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
+        monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", unsplit_tiles()[0])
+        layout = LAYOUTS["qkv_gqa"]
+        batch, a, _, x, _, _ = run_case(layout, batch_name)
+        assert batch.one_token_segments == (batch_name == "decode_distinct")  # from the host lists
+        assert sgmv_triton.one_token_variant_differs(batch.num_tokens)
+        inside = segment_rows(batch, x.shape[0])
+        h_ref = torch_shrink(x, a, batch, 3)
+        for hint in (True, False):
+            h = sgmv_triton.triton_shrink(x, a, replace(batch, one_token_segments=hint), 3)
+            assert_close(h[inside], h_ref[inside])
+
     def test_rejects_mixed_dtypes(self):
         layout = LAYOUTS["single"]
         batch, a, b, x, y, _ = run_case(layout, "one_token")
@@ -390,11 +430,17 @@ class TestTilingRows:
             ExpandTiling(16, 512, 16, num_warps=4, num_stages=1, programs_per_sm=16,
                          tile_n=step)
 
+    def test_whole_row_items_only_for_one_token_tiles(self):
+        with pytest.raises(ValueError, match="max_a_block"):
+            ShrinkTiling(16, 32, 256, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
+                         max_a_block=4096)
+
 
 class TestFloat32Caps:
     """Compiled float32 tiles are capped; other dtypes and the interpreter keep the table's."""
 
-    @pytest.mark.parametrize("table", [SHRINK_TABLE, EXPAND_TABLE], ids=["shrink", "expand"])
+    @pytest.mark.parametrize("table", [SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE,
+                                       EXPAND_TABLE], ids=["shrink", "shrink_one_token", "expand"])
     @pytest.mark.parametrize("num_tokens", [1, 16, 17, 200, 5000])
     def test_capped_fields_only(self, table, num_tokens):
         row = pick(table, num_tokens)
