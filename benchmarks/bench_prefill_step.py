@@ -12,7 +12,8 @@ here, or the weights' bytes over the HBM bandwidth timed here, whichever is larg
 repeats, prefill_host_profile_<tokens>_<adapter>.txt). `--profile` also writes, per case, the
 GPU time per kernel and the host time per op of one step (prefill_profile_<tokens>_<adapter>.txt),
 and reports the step's summed kernel time (`gpu_busy_ms`): far below `step_ms` means the step is
-bound by host work, not by kernels.
+bound by host work, not by kernels. `--dispatch` times each step again with every Triton launch
+through Triton's own dispatch (`kernels/launch.py`'s cached launches off), in the same run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.common import hbm_bandwidth, time_cuda, write_results
+from kernels import launch
 from replicas.config import EngineConfig
 from replicas.engine import Engine
 from replicas.models.spec import ModelSpec
@@ -104,6 +106,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the timed steps")
+    ap.add_argument("--dispatch", action="store_true",
+                    help="also time each step with cached Triton launches off (kernels/launch.py)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the code")
     args = ap.parse_args()
@@ -146,6 +150,13 @@ def main() -> None:
             step_ms = 1000 * statistics.median(seconds)
             row = {"tokens": tokens, "adapter": f"rank {args.rank}" if adapter else "none",
                    "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1000)}
+            if args.dispatch:  # the same step with every Triton launch through its dispatch
+                launch.CACHED_LAUNCHES = False
+                dispatch = [prefill_once(engine, tokens, adapter, rng)
+                            for _ in range(args.repeats)]
+                launch.CACHED_LAUNCHES = True
+                row["dispatch_ms"] = 1000 * statistics.median(dispatch)
+                row["step_vs_dispatch"] = step_ms / row["dispatch_ms"]
             if rate is not None:
                 floor_ms = 1000 * max(2 * params * tokens / rate, weight_bytes / bandwidth)
                 row.update(floor_ms=floor_ms, ratio_to_floor=step_ms / floor_ms)
@@ -160,7 +171,7 @@ def main() -> None:
         "step time against max(2 x params x tokens / measured bf16 GEMM rate, weight bytes / "
         "measured HBM bandwidth)",
         ["tokens", "adapter", "step_ms", "gpu_busy_ms", "floor_ms", "ratio_to_floor",
-         "tokens_per_s"],
+         "tokens_per_s", "dispatch_ms", "step_vs_dispatch"],
         rows,
         {"gemm_TFLOPs": rate and rate / 1e12, "hbm_TBps": bandwidth and bandwidth / 1e12,
          "params": params},

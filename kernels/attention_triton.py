@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import AttentionBatch
-from kernels.launch import cdiv, next_pow2
+from kernels.launch import CachedLaunch, cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window wider than any context: nothing is masked
@@ -348,6 +348,12 @@ def _group_pad(group: int, at_least: int) -> int:
     return max(at_least, next_pow2(group))
 
 
+# Eager steps launch these once per layer: skip Triton's dispatch (kernels/launch.py).
+_DECODE = CachedLaunch(_decode_kernel)
+_DECODE_MERGE = CachedLaunch(_decode_merge_kernel)
+_PREFILL = CachedLaunch(_prefill_kernel)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -389,23 +395,25 @@ def paged_decode_attention(
         part_ml = q.new_empty(B + max_extra, num_q_heads, 2, dtype=torch.float32)
     else:
         part_acc = part_ml = out  # unused
-    _decode_kernel[(B + max_extra, num_kv_heads)](
-        q, k_cache, v_cache, block_table, ctx_lens,
-        out, part_acc, part_ml,
-        scale * LOG2E, window, num_q_heads, B, pieces,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
-        out.stride(0), out.stride(1),
+    _DECODE.run(
+        (B + max_extra, num_kv_heads),
+        (q, k_cache, v_cache, block_table, ctx_lens,
+         out, part_acc, part_ml,
+         scale * LOG2E, window, num_q_heads, B, pieces,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         block_table.stride(0),
+         out.stride(0), out.stride(1)),
         GROUP=group, GROUP_PAD=_group_pad(group, 16), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, HAS_EXTRA=max_extra > 0, PRECISION=_precision(q.dtype), **plan,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if max_extra:
-        _decode_merge_kernel[(B, num_kv_heads)](
-            ctx_lens, part_acc, part_ml, out,
-            window, num_q_heads, B, pieces, out.stride(0), out.stride(1),
+        _DECODE_MERGE.run(
+            (B, num_kv_heads),
+            (ctx_lens, part_acc, part_ml, out,
+             window, num_q_heads, B, pieces, out.stride(0), out.stride(1)),
             GROUP=group, GROUP_PAD=_group_pad(group, 1), HEAD_DIM=head_dim, **plan,
             num_warps=2,
         )
@@ -440,14 +448,15 @@ def paged_prefill_attention(
     block_q = max(block_q, cdiv(16, group_pad))  # tl.dot needs >= 16 rows
     window = NO_WINDOW if batch.sliding_window is None else batch.sliding_window
     out = torch.empty_like(q)
-    _prefill_kernel[(T // block_q + B, num_kv_heads)](
-        q, k_cache, v_cache, table, ctx_lens, q_starts, out,
-        scale * LOG2E, window, B,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        table.stride(0),
-        out.stride(0), out.stride(1),
+    _PREFILL.run(
+        (T // block_q + B, num_kv_heads),
+        (q, k_cache, v_cache, table, ctx_lens, q_starts, out,
+         scale * LOG2E, window, B,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         table.stride(0),
+         out.stride(0), out.stride(1)),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_q * group_pad,
         BLOCK_N=tiling.block_n,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv, next_pow2
+from kernels.launch import CachedLaunch, cdiv, next_pow2
 from kernels.layer_ops import BACKENDS, LayerOps
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -112,6 +112,12 @@ def _rotary_kernel(
     tl.store(base + HALF + offs, out2.to(dtype), mask=mask)
 
 
+# Eager steps launch each of these once per layer: skip Triton's dispatch (kernels/launch.py).
+_RMS_NORM = CachedLaunch(_rms_norm_kernel)
+_SILU_AND_MUL = CachedLaunch(_silu_and_mul_kernel)
+_ROTARY = CachedLaunch(_rotary_kernel)
+
+
 def _rows(x: torch.Tensor, name: str) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, f"{name} must be [N, D] with contiguous rows"
     assert x.dtype in DTYPES, f"{name}: {x.dtype}"
@@ -123,8 +129,8 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     assert weight.shape == (d,) and weight.is_contiguous()
     out = torch.empty_like(x)
     if n:
-        _rms_norm_kernel[(n,)](
-            x, x, weight, out, out, d, x.stride(0), 0, out.stride(0), 0, eps,
+        _RMS_NORM.run(
+            (n,), (x, x, weight, out, out, d, x.stride(0), 0, out.stride(0), 0, eps),
             HAS_DELTA=False, BLOCK_D=next_pow2(d),
         )
     return out
@@ -140,9 +146,10 @@ def triton_add_rms_norm(
     assert weight.shape == (d,) and weight.is_contiguous()
     out, total = torch.empty_like(x), torch.empty_like(x)
     if n:
-        _rms_norm_kernel[(n,)](
-            x, delta, weight, out, total, d,
-            x.stride(0), delta.stride(0), out.stride(0), total.stride(0), eps,
+        _RMS_NORM.run(
+            (n,),
+            (x, delta, weight, out, total, d,
+             x.stride(0), delta.stride(0), out.stride(0), total.stride(0), eps),
             HAS_DELTA=True, BLOCK_D=next_pow2(d),
         )
     return out, total
@@ -156,8 +163,9 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(n, inter)
     block = min(SILU_BLOCK, next_pow2(inter))
     if n:
-        _silu_and_mul_kernel[(n, cdiv(inter, block))](
-            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block
+        _SILU_AND_MUL.run(
+            (n, cdiv(inter, block)), (gate_up, out, inter, gate_up.stride(0), out.stride(0)),
+            BLOCK=block,
         )
     return out
 
@@ -178,9 +186,10 @@ def triton_rotary(
     assert cos.stride(0) == sin.stride(0) and cos.dtype == sin.dtype == torch.float32
     assert positions.is_contiguous() and not positions.is_floating_point()
     if num_tokens:
-        _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
-            q, k, positions, cos, sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        _ROTARY.run(
+            (num_tokens, num_q_heads + k.shape[1]),
+            (q, k, positions, cos, sin,
+             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0)),
             HQ=num_q_heads, HALF=head_dim // 2, BLOCK=next_pow2(head_dim // 2),
         )
     return q, k

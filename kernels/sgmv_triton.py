@@ -58,7 +58,7 @@ except ImportError:  # an older Triton: never launched with PDL, so these are ne
     def gdc_wait():
         pass
 
-from kernels.launch import cdiv, next_pow2
+from kernels.launch import CachedLaunch, cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
 from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_TABLE, pick
 
@@ -441,6 +441,11 @@ def _sgmv_expand_kernel(
         gdc_wait()
 
 
+# Eager steps launch each kernel once per layer with the same plan: skip Triton's dispatch.
+_SHRINK = CachedLaunch(_sgmv_shrink_kernel)
+_EXPAND = CachedLaunch(_sgmv_expand_kernel)
+
+
 def triton_shrink(
     x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
 ) -> torch.Tensor:
@@ -469,12 +474,12 @@ def triton_shrink(
         locks = _locks(x.device, plan.num_locks)
     else:  # unused by the kernel
         part, locks = h, batch.seg_slots
-    _sgmv_shrink_kernel[plan.grid](
-        x, a, h, part, locks,
-        batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
-        num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
-        x.stride(0), a.stride(0), a.stride(1), h.stride(0),
-        **plan.constants,
+    _SHRINK(
+        plan,
+        (x, a, h, part, locks,
+         batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
+         num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
+         x.stride(0), a.stride(0), a.stride(1), h.stride(0)),
         PRECISION=_precision(x.dtype),
     )
     return h
@@ -505,12 +510,12 @@ def triton_expand(
     num_slots = batch.slot_ranks.shape[0]
     plan = _expand_plan(EXPAND_TABLE, num_tokens, tuple(out_offsets), max_rank, num_segments,
                         num_slots, _unrolled(y), _num_sms(y.device), _pdl_enabled(y.device))
-    _sgmv_expand_kernel[plan.grid](
-        h, b, y,
-        batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
-        num_segments, num_slots,
-        h.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        **plan.constants,
+    _EXPAND(
+        plan,
+        (h, b, y,
+         batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
+         num_segments, num_slots,
+         h.stride(0), b.stride(0), b.stride(1), y.stride(0)),
         PRECISION=_precision(y.dtype),
     )
 
