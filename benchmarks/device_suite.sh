@@ -8,6 +8,7 @@
 #   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
 #   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
+#   bash benchmarks/device_suite.sh churn-256                    #   (run each alone)
 #   bash benchmarks/device_suite.sh churn128 seeds
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
@@ -66,6 +67,10 @@ for s in "$@"; do
             churn churn-large 570 --num-adapters 32 --rank 128 --slots 8 --rate 6 \
                 --num-requests 80 --input-len 64:256 --output-len 16:64 --kv-blocks 2048 \
                 --popularity distinct,uniform --resident ;;
+        churn-256)  # 1.3 GB adapters (copies of ~25 ms) and short prompts: loading dominates
+            churn churn-256 570 --num-adapters 16 --rank 256 --slots 4 --rate 4 \
+                --num-requests 48 --input-len 32:96 --output-len 8:32 --kv-blocks 1024 \
+                --popularity distinct,skewed --resident ;;
         churn128)  # a host cache of 32: disk reads join the churn
             churn churn128 300 --num-adapters 128 --rank 16 --slots 8 --host-cache 32 --rate 4 \
                 --num-requests 80 --popularity uniform,skewed ;;
