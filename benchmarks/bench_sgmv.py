@@ -120,10 +120,10 @@ def make_problem(case: Case, shapes: dict, layers: int, dtype, device) -> Proble
         for group, (d_in, outs) in shapes.items():
             n = len(outs)
             a = torch.randn(num_slots, n * max_rank, d_in, device=device, dtype=dtype) * 0.02
-            b = torch.randn(num_slots, sum(outs), max_rank, device=device, dtype=dtype) * 0.02
+            b = torch.randn(num_slots, max_rank, sum(outs), device=device, dtype=dtype) * 0.02
             for slot, r in enumerate(case.ranks):  # the contract: zero past the true rank
                 a.view(num_slots, n, max_rank, d_in)[slot, :, r:] = 0
-                b[slot, :, r:] = 0
+                b[slot, r:] = 0
             layer[group] = (a, b)
         weights.append(layer)
     t = case.num_tokens
@@ -179,9 +179,9 @@ def gather_bmm_layer(p: Problem, layer: int, groups=None) -> None:
     """Per-token gather of the weights at the pool's max rank, then two batched products."""
     for group in groups or p.shapes:
         a, b = p.weights[layer][group]
-        n, max_rank = len(p.shapes[group][1]), b.shape[2]
+        n, max_rank = len(p.shapes[group][1]), b.shape[1]
         h = torch.bmm(a[p.token_slots], p.x[group][:, :, None])  # [T, n*R, 1]
-        b_tok = b[p.token_slots]  # [T, d_out, R]
+        b_tok = b[p.token_slots].transpose(1, 2)  # [T, d_out, R] (a transposed view)
         offsets = p.offsets(group)
         for i in range(n):
             o0, o1 = offsets[i], offsets[i + 1]

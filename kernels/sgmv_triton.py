@@ -18,10 +18,12 @@ split order and writes h. The counter only elects the reducer: the sum is the sa
 sum whichever split finishes last, so results are deterministic and no atomic touches a value.
 The reducer resets its counter to 0, so counters are zero between launches.
 
-Expand, y[t, o_i + c] += scale * h[t, i*R : i*R + rank] . B[slot, o_i + c, :rank]: a work item
+Expand, y[t, o_i + c] += scale * h[t, i*R : i*R + rank] . B[slot, :rank, o_i + c]: a work item
 is (tile, column block); column blocks never cross a slice boundary, so slices of different
-widths (GQA q/k/v) are one launch. The rank loop stops at the slot's true rank. Each y element is
-read, updated and written by exactly one program: deterministic, no atomics.
+widths (GQA q/k/v) are one launch. B is rank-major: each rank step reads whole rows of the
+block's columns, and rows past the slot's true rank are not read, so an item's bytes follow the
+slot's rank. Each y element is read, updated and written by exactly one program:
+deterministic, no atomics.
 
 A tile of one token (every decode segment) takes matrix-vector products in one dimension; a tile
 of several takes 16-row tile products (`tl.dot`) over narrower steps. The choice is made per tile
@@ -135,6 +137,14 @@ def _product(u, v, acc, PRECISION: tl.constexpr):
     if u.shape[0] == 1:  # two dimensions: u's row broadcasts over v's rows
         return acc + tl.sum(v.to(tl.float32) * u.to(tl.float32), axis=1)[None, :]
     return acc + tl.sum(u.to(tl.float32)[:, None, :] * v.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _product_kn(u, v, acc, PRECISION: tl.constexpr):
+    """acc [M, N] + u [M, K] @ v [K, N] in float32 (`_product` with v untransposed)."""
+    if u.shape[0] >= 16:
+        return tl.dot(u, v, acc, input_precision=PRECISION)
+    return acc + tl.sum(u.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
 @triton.jit
@@ -313,12 +323,12 @@ def _sgmv_shrink_kernel(
 
 
 @triton.jit
-def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_ptrs, y_ptr,
-                 stride_ht, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr,
+                 stride_ht, stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr, PRECISION: tl.constexpr,
                  PDL: tl.constexpr):
     """y[tile rows, cols] += scale * h[rows, slice ranks] . B[cols, :rank]^T. `h_ptrs` points
-    at the slice's first rank column of h, `b_ptrs` [BLOCK_N, 1] at the columns' rows of B."""
+    at the slice's first rank column of h, `b_slot` at the slot's B ([R, out], rank-major)."""
     offs_r = tl.arange(0, BLOCK_R)
     rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < end_row
@@ -329,20 +339,22 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_ptrs
     for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
         r = rb * BLOCK_R + offs_r
         r_in = r < rank
-        bv = tl.load(b_ptrs + r[None, :], mask=col_mask[:, None] & r_in[None, :], other=0.0)
+        bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
+                     mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
         if rb == 0:
             if PDL:
                 gdc_wait()
             yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
         hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
                      mask=row_mask[:, None] & r_in[None, :], other=0.0)
-        acc = _product(hv, bv, acc, PRECISION)
+        acc = _product_kn(hv, bv, acc, PRECISION)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
-def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_ptrs, y_ptr, stride_ht, stride_yt,
+def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, stride_ht, stride_br,
+                  stride_yt,
                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr,
                   PDL: tl.constexpr):
     """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
@@ -355,13 +367,14 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_ptrs, y_ptr, strid
     for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
         r = rb * BLOCK_R + offs_r
         r_in = r < rank
-        bv = tl.load(b_ptrs + r[None, :], mask=col_mask[:, None] & r_in[None, :], other=0.0)
+        bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
+                     mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
         if rb == 0:
             if PDL:
                 gdc_wait()
             yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
         hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
-        acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
+        acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=col_mask)
 
@@ -379,7 +392,7 @@ def _sgmv_expand_kernel(
     num_slots,
     stride_ht,
     stride_bs,
-    stride_bn,
+    stride_br,
     stride_yt,
     MAX_RANK: tl.constexpr,
     O_1: tl.constexpr,  # slice i owns output columns [O_i, O_{i+1}); O_0 = 0
@@ -429,13 +442,13 @@ def _sgmv_expand_kernel(
                 for sub in tl.static_range(BLOCK_N // TILE_N):
                     sub_cols = col0 + sub * TILE_N + tl.arange(0, TILE_N)
                     _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale,
-                                 h_ptrs, b_slot + sub_cols[:, None] * stride_bn, y_ptr,
-                                 stride_ht, stride_yt, BLOCK_M, TILE_N, BLOCK_R, NUM_RB,
+                                 h_ptrs, b_slot, y_ptr, stride_ht, stride_br, stride_yt,
+                                 BLOCK_M, TILE_N, BLOCK_R, NUM_RB,
                                  PRECISION, PDL and sub == 0)
             else:
                 cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
-                              b_slot + cols[:, None] * stride_bn, y_ptr, stride_ht, stride_yt,
+                              b_slot, y_ptr, stride_ht, stride_br, stride_yt,
                               BLOCK_N, BLOCK_R, NUM_RB, PDL)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
@@ -492,12 +505,12 @@ def triton_expand(
     y: torch.Tensor,
     out_offsets: tuple[int, ...],
 ) -> None:
-    """h: [T, n*R]; b: [num_slots, sum(out_i), R]; y: [T, sum(out_i)] updated in place."""
+    """h: [T, n*R]; b: [num_slots, R, sum(out_i)]; y: [T, sum(out_i)] updated in place."""
     num_slices = len(out_offsets) - 1
     num_tokens, width = y.shape
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     assert 1 <= num_slices <= MAX_SLICES, f"{num_slices} slices (at most {MAX_SLICES})"
-    assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[1]
+    assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[2]
     assert all(lo < hi for lo, hi in zip(out_offsets, out_offsets[1:], strict=False))
     assert h.shape == (num_tokens, num_slices * max_rank), f"h {tuple(h.shape)}"
     assert h.dtype == b.dtype == y.dtype and y.dtype in DTYPES, f"{h.dtype}/{b.dtype}/{y.dtype}"

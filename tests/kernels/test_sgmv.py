@@ -177,14 +177,14 @@ def batch_from_tables(starts, ends, slots, ranks, scalings, device=DEVICE, num_t
 
 
 def make_weights(layout: Layout, ranks: list[int], max_rank: int, dtype=torch.float32, seed=0):
-    """A [slots, n*R, hidden] and B [slots, sum(outs), R], zero past each slot's rank."""
+    """A [slots, n*R, hidden] and B [slots, R, sum(outs)], zero past each slot's rank."""
     g = torch.Generator().manual_seed(seed)
     n = len(layout.outs)
     a = torch.randn(len(ranks), n * max_rank, layout.hidden, generator=g) / layout.hidden**0.5
-    b = torch.randn(len(ranks), sum(layout.outs), max_rank, generator=g) / max_rank**0.5
+    b = torch.randn(len(ranks), max_rank, sum(layout.outs), generator=g) / max_rank**0.5
     for slot, r in enumerate(ranks):
         a.view(len(ranks), n, max_rank, -1)[slot, :, r:] = 0
-        b[slot, :, r:] = 0
+        b[slot, r:] = 0
     return a.to(DEVICE, dtype), b.to(DEVICE, dtype)
 
 
@@ -208,10 +208,10 @@ def poison_unread(h: torch.Tensor, batch: SgmvBatch, max_rank: int) -> torch.Ten
 def poison_past_rank(a: torch.Tensor, b: torch.Tensor, ranks: list[int], n: int):
     """NaN in the weights past each slot's rank: the kernels must not read them (true-rank cost)."""
     a, b = a.clone(), b.clone()
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     for slot, r in enumerate(ranks):
         a.view(a.shape[0], n, max_rank, -1)[slot, :, r:] = float("nan")
-        b[slot, :, r:] = float("nan")
+        b[slot, r:] = float("nan")
     return a, b
 
 
@@ -462,7 +462,7 @@ class TestFloat32Caps:
 def naive_delta(x, a, b, batch: SgmvBatch, out_offsets) -> torch.Tensor:
     """The LoRA delta one token at a time, straight from the formula in kernels/sgmv.py."""
     n = len(out_offsets) - 1
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     delta = torch.zeros(x.shape[0], out_offsets[-1], dtype=torch.float64)
     for s, e, slot in zip(batch.seg_starts, batch.seg_ends, batch.seg_slots_host, strict=True):
         r, scale = batch.slot_ranks_host[slot], batch.slot_scalings_host[slot]
@@ -473,7 +473,7 @@ def naive_delta(x, a, b, batch: SgmvBatch, out_offsets) -> torch.Tensor:
                     for k in range(r):
                         h = sum(float(x[t, c]) * float(a[slot, i * max_rank + k, c])
                                 for c in range(x.shape[1]))
-                        acc += h * float(b[slot, o, k])
+                        acc += h * float(b[slot, k, o])
                     delta[t, o] = scale * acc
     return delta
 
@@ -488,10 +488,10 @@ class TestReferenceMatchesPerTokenLoop:
         batch = make_batch(runs, ranks, device="cpu")
         g = torch.Generator().manual_seed(3)
         a = torch.randn(len(ranks), 3 * max_rank, layout.hidden, generator=g, dtype=torch.float64)
-        b = torch.randn(len(ranks), sum(layout.outs), max_rank, generator=g, dtype=torch.float64)
+        b = torch.randn(len(ranks), max_rank, sum(layout.outs), generator=g, dtype=torch.float64)
         for slot, r in enumerate(ranks):  # the contract: zero past the rank
             a.view(len(ranks), 3, max_rank, -1)[slot, :, r:] = 0
-            b[slot, :, r:] = 0
+            b[slot, r:] = 0
         x = torch.randn(batch.num_tokens + 1, layout.hidden, generator=g, dtype=torch.float64)
         y = torch.randn(x.shape[0], sum(layout.outs), generator=g, dtype=torch.float64)
         y_ref = y.clone()
