@@ -82,11 +82,6 @@ class LoraWeightPool:
                            for g, (_, _, b_off, b_shape) in self.regions.items()})
         self._layer_bytes = [buf.view(torch.uint8) for buf in self.layers]  # for packed writes
         self._slot_bytes = self._layer_bytes[0].shape[1]
-        # A packed layer lands here first, B as in the file ([out, R] per module), and is
-        # unpacked into the slot on the device (`_unpack`), B transposed to rank-major: so the
-        # host packs with one copy per layer. Copies and unpacks of a load follow each other on
-        # one stream, so one buffer serves every load.
-        self._staging = torch.empty(self.slot_elems, dtype=dtype, device=device)
         # The bytes of the largest A or B region: `_pack` slices its zero fillers from these.
         largest = max(n * m for _, a_shape, _, b_shape in self.regions.values()
                       for n, m in (a_shape, b_shape))
@@ -188,10 +183,16 @@ class LoraWeightPool:
             _set_element(self.ranks, slot, weights.rank)
             _set_element(self.scalings, slot, weights.scaling)
             packed = weights.layers is not None and weights.layers[0].numel() == self._slot_bytes
+            if packed:
+                # A packed layer lands here first, B as in the file ([out, R] per module), and
+                # is unpacked into the slot on the device (B transposed to rank-major), so the
+                # host packs with one copy per layer. Allocated on this stream: the allocator
+                # reuses it only for work ordered after this write's copies and unpacks.
+                staging = torch.empty(self.slot_elems, dtype=self.dtype, device=self.device)
             for layer in range(self.spec.num_layers):
                 if packed:  # the whole layer, zeros past each module's rank included
-                    self._staging.view(torch.uint8).copy_(weights.layers[layer], non_blocking=True)
-                    self._unpack(layer, slot)
+                    staging.view(torch.uint8).copy_(weights.layers[layer], non_blocking=True)
+                    self._unpack(staging, layer, slot)
                     if events is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
@@ -218,13 +219,13 @@ class LoraWeightPool:
         self.scalings_host[slot] = weights.scaling
         return events
 
-    def _unpack(self, layer: int, slot: int) -> None:
-        """The staged packed layer into `slot`: each group's A as it is, its B from [out, R]
+    def _unpack(self, staging: torch.Tensor, layer: int, slot: int) -> None:
+        """A staged packed layer into `slot`: each group's A as it is, its B from [out, R]
         (the file's order) to [R, out]."""
         for group, (a_off, a_shape, b_off, (rank, width)) in self.regions.items():
             a_end = a_off + a_shape[0] * a_shape[1]
-            self.a[layer][group][slot].view(-1).copy_(self._staging[a_off:a_end])
-            staged = self._staging[b_off : b_off + rank * width].view(width, rank)
+            self.a[layer][group][slot].view(-1).copy_(staging[a_off:a_end])
+            staged = staging[b_off : b_off + rank * width].view(width, rank)
             self.b[layer][group][slot].copy_(staged.t())
 
     def make_batch(
