@@ -325,56 +325,65 @@ def _sgmv_shrink_kernel(
 @triton.jit
 def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr,
                  stride_ht, stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr, PRECISION: tl.constexpr,
                  PDL: tl.constexpr):
-    """y[tile rows, cols] += scale * h[rows, slice ranks] . B[cols, :rank]^T. `h_ptrs` points
-    at the slice's first rank column of h, `b_slot` at the slot's B ([R, out], rank-major)."""
+    """y[tile rows, cols] += scale * h[rows, slice ranks] . B[:rank, cols]. `h_ptrs` points at
+    the slice's first rank column of h, `b_slot` at the slot's B ([R, out], rank-major). The
+    first rank step's B rows are read before the wait; the steps after it, up to the slot's
+    rank, one at a time (a slot of a lower rank than the pool's reads fewer rows)."""
     offs_r = tl.arange(0, BLOCK_R)
     rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < end_row
-    # Every load of the item is issued before the first product needs one.
     y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
     y_mask = row_mask[:, None] & col_mask[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
-        r = rb * BLOCK_R + offs_r
-        r_in = r < rank
-        bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
-                     mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-        if rb == 0:
-            if PDL:
-                gdc_wait()
-            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
-                     mask=row_mask[:, None] & r_in[None, :], other=0.0)
-        acc = _product_kn(hv, bv, acc, PRECISION)
+    r_in = offs_r < rank
+    bv = tl.load(b_slot + offs_r[:, None] * stride_br + cols[None, :],
+                 mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    if PDL:
+        gdc_wait()
+    yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    hv = tl.load(h_ptrs + rows[:, None] * stride_ht + offs_r[None, :],
+                 mask=row_mask[:, None] & r_in[None, :], other=0.0)
+    acc = _product_kn(hv, bv, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+    if MULTI_R:  # the pool's max rank spans several steps (compiled only then: registers)
+        for r0 in range(BLOCK_R, rank, BLOCK_R):
+            r = r0 + offs_r
+            r_in = r < rank
+            bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
+                         mask=r_in[:, None] & col_mask[None, :], other=0.0)
+            hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
+                         mask=row_mask[:, None] & r_in[None, :], other=0.0)
+            acc = _product_kn(hv, bv, acc, PRECISION)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
 def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, stride_ht, stride_br,
-                  stride_yt,
-                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr,
-                  PDL: tl.constexpr):
+                  stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  MULTI_R: tl.constexpr, PDL: tl.constexpr):
     """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
-    y[row, cols] += scale * B[cols, :rank] . h[row, :rank], each column's sum over the rank
-    within a thread or two. A 16-row tile would carry 15 dead rows through the product, the
-    layout changes and the epilogue, and hold 16 times the registers."""
+    y[row, cols] += scale * h[row, :rank] . B[:rank, cols], summed over the rank step's rows. A
+    16-row tile would carry 15 dead rows through the product, the layout changes and the
+    epilogue, and hold 16 times the registers."""
     offs_r = tl.arange(0, BLOCK_R)
     y_ptrs = y_ptr + row * stride_yt + cols
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
-        r = rb * BLOCK_R + offs_r
-        r_in = r < rank
-        bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
-                     mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-        if rb == 0:
-            if PDL:
-                gdc_wait()
-            yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
-        hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
-        acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
+    r_in = offs_r < rank
+    bv = tl.load(b_slot + offs_r[:, None] * stride_br + cols[None, :],
+                 mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    if PDL:
+        gdc_wait()
+    yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
+    hv = tl.load(h_ptrs + row * stride_ht + offs_r, mask=r_in, other=0.0)
+    acc = tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
+    if MULTI_R:
+        for r0 in range(BLOCK_R, rank, BLOCK_R):
+            r = r0 + offs_r
+            r_in = r < rank
+            bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
+                         mask=r_in[:, None] & col_mask[None, :], other=0.0)
+            hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
+            acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=col_mask)
 
@@ -382,7 +391,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, strid
 @triton.jit
 def _sgmv_expand_kernel(
     h_ptr,  # [T, NUM_SLICES * MAX_RANK]
-    b_ptr,  # [num_slots, O_4, MAX_RANK]
+    b_ptr,  # [num_slots, MAX_RANK, O_4] (rank-major)
     y_ptr,  # [T, O_4]
     seg_indptr_ptr,
     seg_slots_ptr,
@@ -408,7 +417,7 @@ def _sgmv_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    NUM_RB: tl.constexpr,  # rank blocks covering MAX_RANK
+    MULTI_R: tl.constexpr,  # the max rank spans several rank steps
     TILE_N: tl.constexpr,  # columns per tile product (tiles of several tokens); divides BLOCK_N
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -443,13 +452,13 @@ def _sgmv_expand_kernel(
                     sub_cols = col0 + sub * TILE_N + tl.arange(0, TILE_N)
                     _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale,
                                  h_ptrs, b_slot, y_ptr, stride_ht, stride_br, stride_yt,
-                                 BLOCK_M, TILE_N, BLOCK_R, NUM_RB,
+                                 BLOCK_M, TILE_N, BLOCK_R, MULTI_R,
                                  PRECISION, PDL and sub == 0)
             else:
                 cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
                               b_slot, y_ptr, stride_ht, stride_br, stride_yt,
-                              BLOCK_N, BLOCK_R, NUM_RB, PDL)
+                              BLOCK_N, BLOCK_R, MULTI_R, PDL)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
@@ -602,7 +611,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         NUM_NB=num_nb,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
-        NUM_RB=cdiv(max_rank, block_r),
+        MULTI_R=max_rank > block_r,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
     )
     return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)

@@ -32,9 +32,12 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   expand over 512 columns: 46.6 at B = D = 64 (71.1 for the 16-row tiling); at B = 64 over 8
   adapters tile steps of 128 columns cost 21.8 against ~13 for wide 16-row tiles alone, but
   wider tile steps (tile_n 512) raise the kernel's registers and cost B = D = 64 5 us.
-- The same row in a pool of max rank 64 (the mixed-rank case, ranks 8-64): `max_tile` keeps
-  block_n x the rank step at 8,192 elements, so rank-16 pools step 512 x 16 and rank-64 pools
-  128 x 64 (a rank step of 16 made the expand 329 us/layer, a 512 x 64 tile spilled).
+- The same row in a pool of max rank 64 (the mixed-rank case, ranks 8-64): with B rank-major
+  a rank step of 16 reads 16 whole rows of the item's 512 columns, and steps past the slot's
+  rank read nothing, so every slot's items cover 512 columns and their bytes follow the rank.
+  (Under the [out, R] layout a step of 16 read a 32-byte slice of every 128-byte column: 329
+  us/layer; that row kept block_n x the step at 8,192 elements with `max_tile`, 128 x 64 for
+  rank-64 pools. To be re-measured on the rank-major layout.)
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
@@ -116,8 +119,8 @@ SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, ExpandTiling(16, 128, 128, num_warps=4, num_stages=1, programs_per_sm=16)),
-    (128, ExpandTiling(16, 512, 64, num_warps=4, num_stages=1, programs_per_sm=16,
-                       max_tile=8192, tile_n=128)),
+    (128, ExpandTiling(16, 512, 16, num_warps=4, num_stages=1, programs_per_sm=16,
+                       tile_n=128)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
 )

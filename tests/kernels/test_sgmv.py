@@ -338,7 +338,6 @@ class TestLaunchers:
         offsets = (0, 4096, 5120, 6144)
         plan = sgmv_triton._expand_plan(table, 64, offsets, max_rank, 64, 64, False, 132)
         assert (plan.constants["BLOCK_N"], plan.constants["BLOCK_R"]) == (block_n, block_r)
-        assert plan.constants["NUM_RB"] * block_r >= max_rank
         assert plan.constants["NUM_NB"] == sum(-(-w // block_n) for w in (4096, 1024, 1024))
 
     def test_pools_of_up_to_64_slots_share_compiled_kernels(self):
