@@ -167,15 +167,13 @@ def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
 
 
 @triton.jit
-def _shrink_token(x_ptr, a_ptr, row, slot, rank, cols, k_lo, k_hi, K, stride_xt,
-                  stride_as, stride_ar, stride_ht, MAX_RANK: tl.constexpr,
-                  NUM_COLS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride_xt,
+                  stride_as, stride_ar, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr):
     """h[row, cols] (or its split-K partial: the float32 sum over hidden [k_lo, k_hi)) for one
-    token: a matrix-vector product over x's row, BLOCK_K at a time. With PRELOAD_A the range is
-    one step, and its A block is read before `gdc_wait`."""
-    col_in = cols < NUM_COLS
-    col_live = col_in & ((cols % MAX_RANK) < rank)  # rank index within its slice
+    token: a matrix-vector product over x's row, BLOCK_K at a time; columns outside `col_live`
+    read nothing. With PRELOAD_A the range is one step, and its A block is read before
+    `gdc_wait`."""
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_k[None, :]  # [N, K]
     x_row = x_ptr + row * stride_xt + offs_k[None, :]  # [1, K]
@@ -229,10 +227,9 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
             acc = _shrink_acc(x_tile, a_rows, row_mask, col_live, acc, k_lo, k_hi, K, TILE_K,
                               EVEN_K, PRECISION)
         else:
-            acc += _shrink_token(x_ptr, a_ptr, first_row.to(tl.int64), slot, rank, cols,
-                                 k_lo, k_hi, K, stride_xt, stride_as, stride_ar, stride_ht,
-                                 MAX_RANK, NUM_COLS, BLOCK_K, EVEN_K, PRECISION, PDL,
-                                 PRELOAD_A)
+            acc += _shrink_token(x_ptr, a_ptr, first_row.to(tl.int64), slot, cols, col_live,
+                                 k_lo, k_hi, K, stride_xt, stride_as, stride_ar, BLOCK_K,
+                                 EVEN_K, PRECISION, PDL, PRELOAD_A)
 
         if SPLIT_K == 1:
             tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
