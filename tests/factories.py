@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from app.demo import LORA_MODULES, build_byte_tokenizer, write_llama_model
+from kernels.sgmv import SgmvBatch
 
 # Small enough that a test builds and runs one in well under a second, but with GQA (4 query
 # heads over 2 KV heads) and more than one layer, so head grouping and layer indexing are tested.
@@ -159,3 +160,22 @@ def hf_logits(
     """Logits of one forward pass over `input_ids`: [seq, vocab] float32."""
     model = _load_model(model_dir, adapter_dir)
     return model(input_ids=torch.tensor([input_ids], dtype=torch.long)).logits[0].float()
+
+
+def sgmv_batch(lens: list[int], slots: list[int], ranks: tuple[int, ...],
+               scalings: tuple[float, ...], device) -> SgmvBatch:
+    """SGMV metadata for segments of `lens` tokens laid end to end from token 0, segment i on
+    slot `slots[i]`; slot s has rank `ranks[s]` and scaling `scalings[s]`."""
+    ends = [sum(lens[: i + 1]) for i in range(len(lens))]
+    return SgmvBatch(
+        seg_starts=[e - n for e, n in zip(ends, lens, strict=True)],
+        seg_ends=ends,
+        seg_slots_host=list(slots),
+        seg_indptr=torch.tensor([0, *ends], dtype=torch.int32, device=device),
+        seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
+        slot_ranks=torch.tensor(ranks, dtype=torch.int32, device=device),
+        slot_scalings=torch.tensor(scalings, dtype=torch.float32, device=device),
+        slot_ranks_host=tuple(ranks),
+        slot_scalings_host=tuple(scalings),
+        num_tokens=ends[-1],
+    )

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.sgmv import SgmvBatch, torch_expand, torch_shrink
+from tests.factories import sgmv_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -13,21 +14,8 @@ HIDDEN, RANK, OUTS = 256, 16, (256, 64, 64)
 
 
 def make_batch(lens: list[int], device) -> SgmvBatch:
-    ends = [sum(lens[: i + 1]) for i in range(len(lens))]
     slots = [i % 3 for i in range(len(lens))]
-    ranks, scalings = (16, 8, 4), (0.5, 2.0, 1.0)
-    return SgmvBatch(
-        seg_starts=[e - n for e, n in zip(ends, lens, strict=True)],
-        seg_ends=ends,
-        seg_slots_host=slots,
-        seg_indptr=torch.tensor([0, *ends], dtype=torch.int32, device=device),
-        seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
-        slot_ranks=torch.tensor(ranks, dtype=torch.int32, device=device),
-        slot_scalings=torch.tensor(scalings, dtype=torch.float32, device=device),
-        slot_ranks_host=ranks,
-        slot_scalings_host=scalings,
-        num_tokens=ends[-1],
-    )
+    return sgmv_batch(lens, slots, (16, 8, 4), (0.5, 2.0, 1.0), device)
 
 
 def unaligned(t: torch.Tensor) -> torch.Tensor:

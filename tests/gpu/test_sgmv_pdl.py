@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels.sgmv import SgmvBatch
+from tests.factories import sgmv_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -19,22 +20,9 @@ def hopper() -> bool:
 
 
 def make_batch(num_tokens: int, device) -> SgmvBatch:
-    lens = [1] * num_tokens  # decode: a token per segment, each its own slot
-    ends = list(range(1, num_tokens + 1))
+    # decode: a token per segment, each its own slot
     slots = [i % 4 for i in range(num_tokens)]
-    ranks, scalings = (16, 8, 16, 4), (0.5, 2.0, 1.0, 1.5)
-    return SgmvBatch(
-        seg_starts=[e - n for e, n in zip(ends, lens, strict=True)],
-        seg_ends=ends,
-        seg_slots_host=slots,
-        seg_indptr=torch.tensor([0, *ends], dtype=torch.int32, device=device),
-        seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
-        slot_ranks=torch.tensor(ranks, dtype=torch.int32, device=device),
-        slot_scalings=torch.tensor(scalings, dtype=torch.float32, device=device),
-        slot_ranks_host=ranks,
-        slot_scalings_host=scalings,
-        num_tokens=num_tokens,
-    )
+    return sgmv_batch([1] * num_tokens, slots, (16, 8, 16, 4), (0.5, 2.0, 1.0, 1.5), device)
 
 
 def chain(x, weights, batch):
