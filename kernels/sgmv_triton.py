@@ -62,7 +62,13 @@ except ImportError:  # an older Triton: never launched with PDL, so these are ne
 
 from kernels.launch import CachedLaunch, cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
-from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_TABLE, pick
+from kernels.sgmv_tuning import (
+    EXPAND_ONE_TOKEN_TABLE,
+    EXPAND_TABLE,
+    SHRINK_ONE_TOKEN_TABLE,
+    SHRINK_TABLE,
+    pick,
+)
 
 MAX_SLICES = 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -527,8 +533,9 @@ def triton_expand(
         return
 
     num_slots = batch.slot_ranks.shape[0]
-    plan = _expand_plan(EXPAND_TABLE, num_tokens, tuple(out_offsets), max_rank, num_segments,
-                        num_slots, _unrolled(y), _num_sms(y.device), _pdl_enabled(y.device))
+    plan = _expand_plan(_expand_table(batch.one_token_segments), num_tokens, tuple(out_offsets),
+                        max_rank, num_segments, num_slots, _unrolled(y), _num_sms(y.device),
+                        _pdl_enabled(y.device))
     _EXPAND(
         plan,
         (h, b, y,
@@ -545,10 +552,16 @@ def _shrink_table(one_token_segments: bool) -> tuple:
     return SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE if one_token_segments else SHRINK_TABLE
 
 
+def _expand_table(one_token_segments: bool) -> tuple:
+    """The expand's rows for a batch, as `_shrink_table`."""
+    return EXPAND_ONE_TOKEN_TABLE + EXPAND_TABLE if one_token_segments else EXPAND_TABLE
+
+
 def one_token_variant_differs(num_tokens: int) -> bool:
-    """Whether a launch over `num_tokens` tokens picks another shrink tiling when every segment
-    is one token (a CUDA graph of that size then needs a variant for each)."""
-    return pick(_shrink_table(True), num_tokens) != pick(_shrink_table(False), num_tokens)
+    """Whether a launch over `num_tokens` tokens picks another shrink or expand tiling when every
+    segment is one token (a CUDA graph of that size then needs a variant for each)."""
+    return any(pick(table(True), num_tokens) != pick(table(False), num_tokens)
+               for table in (_shrink_table, _expand_table))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from kernels.sgmv import (  # noqa: E402
     torch_shrink,
 )
 from kernels.sgmv_tuning import (  # noqa: E402
+    EXPAND_ONE_TOKEN_TABLE,
     EXPAND_TABLE,
     FLOAT32_CAPS,
     NO_SPLIT,
@@ -138,6 +139,7 @@ def tiling(request, monkeypatch):
         monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
         monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", ())
         monkeypatch.setattr(sgmv_triton, "EXPAND_TABLE", expand)
+        monkeypatch.setattr(sgmv_triton, "EXPAND_ONE_TOKEN_TABLE", ())
     return request.param
 
 
@@ -374,6 +376,12 @@ class TestLaunchers:
         any_ = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(False), *args)
         assert one.constants["BLOCK_M"] == 1 and one.split_k == 1
         assert any_.constants["BLOCK_M"] == 16 and any_.split_k > 1
+        offsets = (0, 4096, 5120, 6144)
+        e_one = sgmv_triton._expand_plan(sgmv_triton._expand_table(True), 64, offsets, 16, 64,
+                                         64, False, 132)
+        e_any = sgmv_triton._expand_plan(sgmv_triton._expand_table(False), 64, offsets, 16, 64,
+                                         64, False, 132)
+        assert e_one.constants["BLOCK_M"] == 1 and e_any.constants["BLOCK_M"] == 16
         # a CUDA graph needs a variant only where the rows differ
         assert sgmv_triton.one_token_variant_differs(64)
         assert not sgmv_triton.one_token_variant_differs(1)
@@ -383,18 +391,27 @@ class TestLaunchers:
                                             "slot_in_two_segments"])
     def test_the_one_token_hint_never_changes_results(self, monkeypatch, batch_name):
         # Told wrongly that every segment is one token, the launch still computes every token.
-        shrink, _ = small_tiles()
+        shrink, expand = small_tiles()
+        one_shrink, one_expand = unsplit_tiles()
         monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
-        monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", unsplit_tiles()[0])
+        monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", one_shrink)
+        monkeypatch.setattr(sgmv_triton, "EXPAND_TABLE", expand)
+        monkeypatch.setattr(sgmv_triton, "EXPAND_ONE_TOKEN_TABLE", one_expand)
         layout = LAYOUTS["qkv_gqa"]
-        batch, a, _, x, _, _ = run_case(layout, batch_name)
+        batch, a, b, x, y, _ = run_case(layout, batch_name)
         assert batch.one_token_segments == (batch_name == "decode_distinct")  # from the host lists
         assert sgmv_triton.one_token_variant_differs(batch.num_tokens)
         inside = segment_rows(batch, x.shape[0])
         h_ref = torch_shrink(x, a, batch, 3)
+        y_ref = y.clone()
+        torch_expand(h_ref, b, batch, y_ref, layout.out_offsets)
         for hint in (True, False):
-            h = sgmv_triton.triton_shrink(x, a, replace(batch, one_token_segments=hint), 3)
+            hinted = replace(batch, one_token_segments=hint)
+            h = sgmv_triton.triton_shrink(x, a, hinted, 3)
             assert_close(h[inside], h_ref[inside])
+            y_out = y.clone()
+            sgmv_triton.triton_expand(h_ref, b, hinted, y_out, layout.out_offsets)
+            assert_close(y_out, y_ref)
 
     def test_rejects_mixed_dtypes(self):
         layout = LAYOUTS["single"]
@@ -439,7 +456,8 @@ class TestFloat32Caps:
     """Compiled float32 tiles are capped; other dtypes and the interpreter keep the table's."""
 
     @pytest.mark.parametrize("table", [SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE,
-                                       EXPAND_TABLE], ids=["shrink", "shrink_one_token", "expand"])
+                                       EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE + EXPAND_TABLE],
+                             ids=["shrink", "shrink_one_token", "expand", "expand_one_token"])
     @pytest.mark.parametrize("num_tokens", [1, 16, 17, 200, 5000])
     def test_capped_fields_only(self, table, num_tokens):
         row = pick(table, num_tokens)
