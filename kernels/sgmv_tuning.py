@@ -40,8 +40,10 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   (41.8), mixed ranks 8-64 102.3 -> 70.1 (69.3). Tiles of several tokens take tile products
   instead and prefer narrow blocks: B = 64 over 8 adapters 17.2 for 512 x 16 over 4 warps,
   14.6 for 256 over 1, 11.5 for 128 over 1, 33.1 for 1024 over 4. Hence the one-token table's
-  1024-wide row for 17-128 tokens, 128-wide tiles for the other batches there, and one row
-  for both up to 16 (256 over 1 warp: within 5% of the best of either at B = 1 and 8).
+  1024-wide row for 17-128 tokens and 128-wide tiles for the other batches there. Up to 16
+  tokens one-token tiles over 1024 columns serve every batch (`--sweep-small`, whole layers,
+  us/layer, against 16-row tiles over 256 columns of 1 warp): B = 1 10.1 (9.7-10.3), B = 8
+  15.5 (15.5), 16 tokens over one adapter 15.4 (20.0, its 16-row tiles' products).
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
@@ -121,11 +123,12 @@ SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
                        max_a_block=4096)),
 )
 
-# Up to 16 tokens, one row for every batch: no second CUDA graph for small buckets.
-_EXPAND_FEW = ExpandTiling(16, 256, 16, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=128)
+# Tiles of one token over 1024 columns: up to 16 tokens for every batch (no second CUDA graph
+# for small buckets), and up to 128 for batches whose every segment is one token.
+_EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=4)
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (16, _EXPAND_FEW),
+    (16, _EXPAND_ONE_TOKEN),
     (128, ExpandTiling(16, 128, 16, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=128)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
@@ -135,8 +138,7 @@ EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 # columns spanning every thread of the program (8 x 32 x 4), so each thread sums its columns over
 # the rank alone.
 EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (16, _EXPAND_FEW),
-    (128, ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=8)),
+    (128, _EXPAND_ONE_TOKEN),
 )
 
 
