@@ -46,7 +46,7 @@ def fill_adapters(pool: LoraWeightPool, rank: int) -> None:
             a, b = pool.a[layer][group], pool.b[layer][group]
             for i in range(len(targets)):
                 a[:, i * pool.max_rank : i * pool.max_rank + rank].normal_(0, 0.02)
-            b[:, :, :rank].normal_(0, 0.02)
+            b[:, :rank].normal_(0, 0.02)
     pool.ranks.fill_(rank)
     pool.scalings.fill_(2.0)
     pool.ranks_host[:] = [rank] * pool.num_slots

@@ -120,10 +120,10 @@ def make_problem(case: Case, shapes: dict, layers: int, dtype, device) -> Proble
         for group, (d_in, outs) in shapes.items():
             n = len(outs)
             a = torch.randn(num_slots, n * max_rank, d_in, device=device, dtype=dtype) * 0.02
-            b = torch.randn(num_slots, sum(outs), max_rank, device=device, dtype=dtype) * 0.02
+            b = torch.randn(num_slots, max_rank, sum(outs), device=device, dtype=dtype) * 0.02
             for slot, r in enumerate(case.ranks):  # the contract: zero past the true rank
                 a.view(num_slots, n, max_rank, d_in)[slot, :, r:] = 0
-                b[slot, :, r:] = 0
+                b[slot, r:] = 0
             layer[group] = (a, b)
         weights.append(layer)
     t = case.num_tokens
@@ -179,9 +179,9 @@ def gather_bmm_layer(p: Problem, layer: int, groups=None) -> None:
     """Per-token gather of the weights at the pool's max rank, then two batched products."""
     for group in groups or p.shapes:
         a, b = p.weights[layer][group]
-        n, max_rank = len(p.shapes[group][1]), b.shape[2]
+        n, max_rank = len(p.shapes[group][1]), b.shape[1]
         h = torch.bmm(a[p.token_slots], p.x[group][:, :, None])  # [T, n*R, 1]
-        b_tok = b[p.token_slots]  # [T, d_out, R]
+        b_tok = b[p.token_slots].transpose(1, 2)  # [T, d_out, R] (a transposed view)
         offsets = p.offsets(group)
         for i in range(n):
             o0, o1 = offsets[i], offsets[i + 1]
@@ -308,7 +308,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     from benchmarks.common import time_cuda
     from kernels import sgmv_triton
-    from kernels.sgmv_tuning import EXPAND_TABLE, NO_SPLIT, pick
+    from kernels.sgmv_tuning import NO_SPLIT, pick
 
     noop = torch.zeros(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -326,7 +326,7 @@ def sweep(args: argparse.Namespace) -> None:
         p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
                                             len(p.shapes[g][1])) for g in p.shapes}
         base_s = pick(sgmv_triton._shrink_table(p.batch.one_token_segments), case.num_tokens)
-        base_e = pick(EXPAND_TABLE, case.num_tokens)
+        base_e = pick(sgmv_triton._expand_table(p.batch.one_token_segments), case.num_tokens)
         # block_m 1: every tile one token, each item whole rows of A (max_a_block elements, no
         # split-K; a segment of several tokens re-reads its weights per token, from L2);
         # block_m 16: 16-token tiles with split-K
@@ -336,16 +336,21 @@ def sweep(args: argparse.Namespace) -> None:
             for bm, bn, bk, kps, w, st, pps, ma in (
                 (1, 16, 16384, NO_SPLIT, 4, 1, 8, 4096),
                 (16, 32, 256, 1024, 4, 3, 16, None),
-                (16, 32, 256, 1024, 8, 3, 8, 4096), (16, 32, 256, 1024, 4, 1, 16, 4096),
-                (16, 32, 256, 1024, 8, 3, 8, 8192), (16, 32, 256, 1024, 8, 2, 4, 4096),
-                (16, 16, 256, 1024, 8, 3, 8, 4096),
+                (16, 32, 256, 1024, 8, 3, 8, None), (16, 32, 256, 1024, 4, 1, 16, None),
+                (16, 32, 256, 1024, 8, 2, 4, None), (16, 16, 256, 1024, 8, 3, 8, None),
             )
         ]
+        # B is rank-major ([slots, R, out]): a one-token item's sum over the rank stays inside
+        # each thread only where the block's columns span every thread (8 x 32 x num_warps);
+        # narrower blocks spread rank rows over threads and warps and reduce through shared memory
         expands = [base_e] + [
-            replace(base_e, block_m=1, block_n=bn, num_warps=w, programs_per_sm=pps, max_tile=mt)
-            for bn, w, pps, mt in (
-                (512, 4, 16, 8192), (256, 4, 16, 8192), (1024, 8, 8, 16384), (512, 4, 8, 8192),
-                (128, 4, 16, 8192),
+            replace(base_e, block_n=bn, block_r=br, num_warps=w, programs_per_sm=pps, tile_n=tn,
+                    max_tile=None)
+            for bn, br, w, pps, tn in (
+                (256, 16, 1, 32, 128), (512, 16, 2, 16, 128), (1024, 16, 4, 8, 128),
+                (128, 16, 1, 32, 128), (256, 16, 2, 16, 128), (512, 16, 4, 16, 128),
+                (512, 32, 2, 16, 128), (256, 32, 1, 32, 128), (1024, 16, 4, 4, 128),
+                (512, 16, 2, 32, 128),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
@@ -481,12 +486,12 @@ def only_rows(shrink=None, expand=None):
     """Every launch inside takes these tilings (None: the kernel's tables as they are)."""
     from kernels import sgmv_triton
 
-    names = ("SHRINK_TABLE", "SHRINK_ONE_TOKEN_TABLE", "EXPAND_TABLE")
+    names = ("SHRINK_TABLE", "SHRINK_ONE_TOKEN_TABLE", "EXPAND_TABLE", "EXPAND_ONE_TOKEN_TABLE")
     saved = {n: getattr(sgmv_triton, n) for n in names}
     if shrink is not None:
         sgmv_triton.SHRINK_TABLE, sgmv_triton.SHRINK_ONE_TOKEN_TABLE = ((None, shrink),), ()
     if expand is not None:
-        sgmv_triton.EXPAND_TABLE = ((None, expand),)
+        sgmv_triton.EXPAND_TABLE, sgmv_triton.EXPAND_ONE_TOKEN_TABLE = ((None, expand),), ()
     try:
         yield
     finally:
@@ -500,10 +505,11 @@ def sweep_small(args: argparse.Namespace) -> None:
     (its prologue and first weight read overlap the kernel before). Prints; writes nothing."""
     from dataclasses import replace
 
-    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_TABLE, ShrinkTiling, pick
+    from kernels import sgmv_triton
+    from kernels.sgmv_tuning import SHRINK_TABLE, ShrinkTiling, pick
 
     device = torch.device("cuda")
-    base_s, base_e = pick(SHRINK_TABLE, 1), pick(EXPAND_TABLE, 1)
+    base_s, base_e = pick(SHRINK_TABLE, 1), pick(sgmv_triton._expand_table(True), 1)
     # tiles of one token (the decode batches' shape) take matrix-vector products; the row's
     # shrink splits no K: each item holds a few whole rows of A (max_a_block elements), read
     # before the wait, and writes h itself (no partials, no arrival, no reducer)
@@ -515,7 +521,7 @@ def sweep_small(args: argparse.Namespace) -> None:
     ]
     expands = [base_e] + [
         replace(base_e, block_m=1, block_n=bn, num_warps=w, programs_per_sm=pps)
-        for bn, w, pps in ((128, 4, 16), (256, 4, 16), (64, 2, 16))
+        for bn, w, pps in ((256, 1, 32), (512, 2, 16), (1024, 4, 4))
     ]
     for case in (QUICK[0], QUICK[1], Case("decode", (16,), (16,), "16")):
         p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,

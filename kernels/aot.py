@@ -106,25 +106,26 @@ def shrink(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
 
 
 def expand(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
-           segments: int = 64, slots: int = 64):
-    """The expand kernel as `triton_expand` would launch it for this shape."""
+           segments: int = 64, slots: int = 64, one_token: bool = False):
+    """The expand kernel as `triton_expand` would launch it for this shape (`one_token` as for
+    `shrink`)."""
     from kernels import sgmv_triton as st
 
     offsets = [0]
     for width in GROUPS[group][1]:
         offsets.append(offsets[-1] + width)
     float32 = dtype == "float32"
-    plan = st._expand_plan(st.EXPAND_TABLE, tokens, tuple(offsets), max_rank, segments, slots,
-                           float32, NUM_SMS, pdl)
+    plan = st._expand_plan(st._expand_table(one_token), tokens, tuple(offsets), max_rank,
+                           segments, slots, float32, NUM_SMS, pdl)
     p = _POINTER[dtype]
     types = dict(h_ptr=p, b_ptr=p, y_ptr=p, seg_indptr_ptr="*i32", seg_slots_ptr="*i32",
                  slot_ranks_ptr="*i32", slot_scalings_ptr="*fp32", num_segments="i32",
-                 num_slots="i32", stride_ht="i32", stride_bs="i32", stride_bn="i32",
+                 num_slots="i32", stride_ht="i32", stride_bs="i32", stride_br="i32",
                  stride_yt="i32")
     constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)))
     width = offsets[-1]
     ints = dict(num_segments=segments, num_slots=slots, stride_ht=(len(offsets) - 1) * max_rank,
-                stride_bs=width * max_rank, stride_bn=max_rank, stride_yt=width)
+                stride_bs=width * max_rank, stride_br=width, stride_yt=width)
     return compile_kernel(st._sgmv_expand_kernel, types, constants, ints), plan
 
 
@@ -136,22 +137,30 @@ def _torch_dtype(name: str):
 
 def table_token_counts() -> list[int]:
     """One token count per row of either table (each row's bound, 4096 for the open row)."""
-    from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_TABLE
+    from kernels.sgmv_tuning import (
+        EXPAND_ONE_TOKEN_TABLE,
+        EXPAND_TABLE,
+        SHRINK_ONE_TOKEN_TABLE,
+        SHRINK_TABLE,
+    )
 
-    rows = SHRINK_TABLE + SHRINK_ONE_TOKEN_TABLE + EXPAND_TABLE
+    rows = SHRINK_TABLE + SHRINK_ONE_TOKEN_TABLE + EXPAND_TABLE + EXPAND_ONE_TOKEN_TABLE
     bounds = {b if b is not None else 4096 for b, _ in rows}
     return sorted(bounds | {1})
 
 
 def kernel_variants(tokens: int) -> list[tuple[str, bool]]:
-    """(kernel, one_token) pairs to compile at a token count: the shrink once more where batches
+    """(kernel, one_token) pairs to compile at a token count: each kernel once more where batches
     whose every segment is one token pick another row."""
     from kernels import sgmv_triton as st
+    from kernels.sgmv_tuning import pick
 
-    shrinks = [("shrink", False)]
-    if st.one_token_variant_differs(tokens):
-        shrinks.append(("shrink", True))
-    return shrinks + [("expand", False)]
+    variants = []
+    for kernel, table in (("shrink", st._shrink_table), ("expand", st._expand_table)):
+        variants.append((kernel, False))
+        if pick(table(True), tokens) != pick(table(False), tokens):
+            variants.append((kernel, True))
+    return variants
 
 
 def main() -> None:
@@ -172,7 +181,8 @@ def main() -> None:
                             compiled, plan = shrink(tokens, group, dtype, pdl, args.max_rank,
                                                     one_token=one_token)
                         else:
-                            compiled, plan = expand(tokens, group, dtype, pdl, args.max_rank)
+                            compiled, plan = expand(tokens, group, dtype, pdl, args.max_rank,
+                                                    one_token=one_token)
                         u = usage(compiled)
                         warps = plan.constants["num_warps"]
                         kind = "one-token" if one_token else "any"

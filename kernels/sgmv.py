@@ -8,9 +8,10 @@ group, the LoRA delta is two products:
     expand:  y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i*R:(i+1)*R] @ B[slot(t), o_i:o_{i+1}, :]^T
 
 where `n` slices share one input (q/k/v, or gate/up) and slice `i` writes output columns
-[o_i, o_{i+1}). `A` is [num_slots, n*R, in] and `B` is [num_slots, sum(out_i), R], with
-R = max_lora_rank; rows and columns past an adapter's true rank are zero, so any backend may
-ignore them.
+[o_i, o_{i+1}). `A` is [num_slots, n*R, in] and `B` is [num_slots, R, sum(out_i)] (rank-major:
+each rank index is one contiguous row over the group's output columns, so an adapter of rank r
+is r whole rows), with R = max_lora_rank; rows past an adapter's true rank are zero, so any
+backend may ignore them.
 
 Backends implement `shrink` and `expand` with the signatures of the torch reference below and
 register themselves in `BACKENDS`; `SgmvOps.apply` (the delta of one group) is expand of shrink.
@@ -94,9 +95,9 @@ def torch_expand(
     y: torch.Tensor,
     out_offsets: tuple[int, ...],
 ) -> None:
-    """h: [T, n*R]; b: [num_slots, sum(out_i), R]; y: [T, sum(out_i)] updated in place."""
+    """h: [T, n*R]; b: [num_slots, R, sum(out_i)]; y: [T, sum(out_i)] updated in place."""
     num_slices = len(out_offsets) - 1
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     assert h.shape[1] == num_slices * max_rank and y.shape[1] == out_offsets[-1]
     for s, e, slot in zip(batch.seg_starts, batch.seg_ends, batch.seg_slots_host, strict=True):
         r = batch.slot_ranks_host[slot]
@@ -104,7 +105,7 @@ def torch_expand(
         for i in range(num_slices):
             o0, o1 = out_offsets[i], out_offsets[i + 1]
             hs = h[s:e, i * max_rank : i * max_rank + r]
-            y[s:e, o0:o1] += scale * (hs @ b[slot, o0:o1, :r].t())
+            y[s:e, o0:o1] += scale * (hs @ b[slot, :r, o0:o1])
 
 
 ShrinkFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, int], torch.Tensor]
@@ -124,8 +125,8 @@ class SgmvOps(NamedTuple):
         y: torch.Tensor,
         out_offsets: tuple[int, ...],
     ) -> None:
-        """y += the LoRA delta of one group: x [T, in]; a [num_slots, n*R, in]; b [num_slots,
-        sum(out_i), R]. A shrink, then an expand."""
+        """y += the LoRA delta of one group: x [T, in]; a [num_slots, n*R, in]; b [num_slots, R,
+        sum(out_i)]. A shrink, then an expand."""
         self.expand(self.shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
 
 

@@ -18,10 +18,12 @@ split order and writes h. The counter only elects the reducer: the sum is the sa
 sum whichever split finishes last, so results are deterministic and no atomic touches a value.
 The reducer resets its counter to 0, so counters are zero between launches.
 
-Expand, y[t, o_i + c] += scale * h[t, i*R : i*R + rank] . B[slot, o_i + c, :rank]: a work item
+Expand, y[t, o_i + c] += scale * h[t, i*R : i*R + rank] . B[slot, :rank, o_i + c]: a work item
 is (tile, column block); column blocks never cross a slice boundary, so slices of different
-widths (GQA q/k/v) are one launch. The rank loop stops at the slot's true rank. Each y element is
-read, updated and written by exactly one program: deterministic, no atomics.
+widths (GQA q/k/v) are one launch. B is rank-major: each rank step reads whole rows of the
+block's columns, and rows past the slot's true rank are not read, so an item's bytes follow the
+slot's rank. Each y element is read, updated and written by exactly one program:
+deterministic, no atomics.
 
 A tile of one token (every decode segment) takes matrix-vector products in one dimension; a tile
 of several takes 16-row tile products (`tl.dot`) over narrower steps. The choice is made per tile
@@ -60,7 +62,13 @@ except ImportError:  # an older Triton: never launched with PDL, so these are ne
 
 from kernels.launch import CachedLaunch, cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
-from kernels.sgmv_tuning import EXPAND_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_TABLE, pick
+from kernels.sgmv_tuning import (
+    EXPAND_ONE_TOKEN_TABLE,
+    EXPAND_TABLE,
+    SHRINK_ONE_TOKEN_TABLE,
+    SHRINK_TABLE,
+    pick,
+)
 
 MAX_SLICES = 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -135,6 +143,14 @@ def _product(u, v, acc, PRECISION: tl.constexpr):
     if u.shape[0] == 1:  # two dimensions: u's row broadcasts over v's rows
         return acc + tl.sum(v.to(tl.float32) * u.to(tl.float32), axis=1)[None, :]
     return acc + tl.sum(u.to(tl.float32)[:, None, :] * v.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _product_kn(u, v, acc, PRECISION: tl.constexpr):
+    """acc [M, N] + u [M, K] @ v [K, N] in float32 (`_product` with v untransposed)."""
+    if u.shape[0] >= 16:
+        return tl.dot(u, v, acc, input_precision=PRECISION)
+    return acc + tl.sum(u.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
 @triton.jit
@@ -310,55 +326,67 @@ def _sgmv_shrink_kernel(
 
 
 @triton.jit
-def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_ptrs, y_ptr,
-                 stride_ht, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr, PRECISION: tl.constexpr,
+def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr,
+                 stride_ht, stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr, PRECISION: tl.constexpr,
                  PDL: tl.constexpr):
-    """y[tile rows, cols] += scale * h[rows, slice ranks] . B[cols, :rank]^T. `h_ptrs` points
-    at the slice's first rank column of h, `b_ptrs` [BLOCK_N, 1] at the columns' rows of B."""
+    """y[tile rows, cols] += scale * h[rows, slice ranks] . B[:rank, cols]. `h_ptrs` points at
+    the slice's first rank column of h, `b_slot` at the slot's B ([R, out], rank-major). The
+    first rank step's B rows are read before the wait; the steps after it, up to the slot's
+    rank, one at a time (a slot of a lower rank than the pool's reads fewer rows)."""
     offs_r = tl.arange(0, BLOCK_R)
     rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < end_row
-    # Every load of the item is issued before the first product needs one.
     y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
     y_mask = row_mask[:, None] & col_mask[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
-        r = rb * BLOCK_R + offs_r
-        r_in = r < rank
-        bv = tl.load(b_ptrs + r[None, :], mask=col_mask[:, None] & r_in[None, :], other=0.0)
-        if rb == 0:
-            if PDL:
-                gdc_wait()
-            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
-                     mask=row_mask[:, None] & r_in[None, :], other=0.0)
-        acc = _product(hv, bv, acc, PRECISION)
+    r_in = offs_r < rank
+    bv = tl.load(b_slot + offs_r[:, None] * stride_br + cols[None, :],
+                 mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    if PDL:
+        gdc_wait()
+    yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    hv = tl.load(h_ptrs + rows[:, None] * stride_ht + offs_r[None, :],
+                 mask=row_mask[:, None] & r_in[None, :], other=0.0)
+    acc = _product_kn(hv, bv, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+    if MULTI_R:  # the pool's max rank spans several steps (compiled only then: registers)
+        for r0 in range(BLOCK_R, rank, BLOCK_R):
+            r = r0 + offs_r
+            r_in = r < rank
+            bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
+                         mask=r_in[:, None] & col_mask[None, :], other=0.0)
+            hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
+                         mask=row_mask[:, None] & r_in[None, :], other=0.0)
+            acc = _product_kn(hv, bv, acc, PRECISION)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
-def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_ptrs, y_ptr, stride_ht, stride_yt,
-                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr,
-                  PDL: tl.constexpr):
+def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, stride_ht, stride_br,
+                  stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  MULTI_R: tl.constexpr, PDL: tl.constexpr):
     """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
-    y[row, cols] += scale * B[cols, :rank] . h[row, :rank], each column's sum over the rank
-    within a thread or two. A 16-row tile would carry 15 dead rows through the product, the
-    layout changes and the epilogue, and hold 16 times the registers."""
+    y[row, cols] += scale * h[row, :rank] . B[:rank, cols], summed over the rank step's rows. A
+    16-row tile would carry 15 dead rows through the product, the layout changes and the
+    epilogue, and hold 16 times the registers."""
     offs_r = tl.arange(0, BLOCK_R)
     y_ptrs = y_ptr + row * stride_yt + cols
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for rb in tl.static_range(NUM_RB):  # blocks past the slot's rank load nothing
-        r = rb * BLOCK_R + offs_r
-        r_in = r < rank
-        bv = tl.load(b_ptrs + r[None, :], mask=col_mask[:, None] & r_in[None, :], other=0.0)
-        if rb == 0:
-            if PDL:
-                gdc_wait()
-            yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
-        hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
-        acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
+    r_in = offs_r < rank
+    bv = tl.load(b_slot + offs_r[:, None] * stride_br + cols[None, :],
+                 mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    if PDL:
+        gdc_wait()
+    yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
+    hv = tl.load(h_ptrs + row * stride_ht + offs_r, mask=r_in, other=0.0)
+    acc = tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
+    if MULTI_R:
+        for r0 in range(BLOCK_R, rank, BLOCK_R):
+            r = r0 + offs_r
+            r_in = r < rank
+            bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
+                         mask=r_in[:, None] & col_mask[None, :], other=0.0)
+            hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
+            acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=col_mask)
 
@@ -366,7 +394,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_ptrs, y_ptr, strid
 @triton.jit
 def _sgmv_expand_kernel(
     h_ptr,  # [T, NUM_SLICES * MAX_RANK]
-    b_ptr,  # [num_slots, O_4, MAX_RANK]
+    b_ptr,  # [num_slots, MAX_RANK, O_4] (rank-major)
     y_ptr,  # [T, O_4]
     seg_indptr_ptr,
     seg_slots_ptr,
@@ -376,7 +404,7 @@ def _sgmv_expand_kernel(
     num_slots,
     stride_ht,
     stride_bs,
-    stride_bn,
+    stride_br,
     stride_yt,
     MAX_RANK: tl.constexpr,
     O_1: tl.constexpr,  # slice i owns output columns [O_i, O_{i+1}); O_0 = 0
@@ -392,7 +420,7 @@ def _sgmv_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    NUM_RB: tl.constexpr,  # rank blocks covering MAX_RANK
+    MULTI_R: tl.constexpr,  # the max rank spans several rank steps
     TILE_N: tl.constexpr,  # columns per tile product (tiles of several tokens); divides BLOCK_N
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -426,14 +454,14 @@ def _sgmv_expand_kernel(
                 for sub in tl.static_range(BLOCK_N // TILE_N):
                     sub_cols = col0 + sub * TILE_N + tl.arange(0, TILE_N)
                     _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale,
-                                 h_ptrs, b_slot + sub_cols[:, None] * stride_bn, y_ptr,
-                                 stride_ht, stride_yt, BLOCK_M, TILE_N, BLOCK_R, NUM_RB,
+                                 h_ptrs, b_slot, y_ptr, stride_ht, stride_br, stride_yt,
+                                 BLOCK_M, TILE_N, BLOCK_R, MULTI_R,
                                  PRECISION, PDL and sub == 0)
             else:
                 cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
-                              b_slot + cols[:, None] * stride_bn, y_ptr, stride_ht, stride_yt,
-                              BLOCK_N, BLOCK_R, NUM_RB, PDL)
+                              b_slot, y_ptr, stride_ht, stride_br, stride_yt,
+                              BLOCK_N, BLOCK_R, MULTI_R, PDL)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
@@ -489,12 +517,12 @@ def triton_expand(
     y: torch.Tensor,
     out_offsets: tuple[int, ...],
 ) -> None:
-    """h: [T, n*R]; b: [num_slots, sum(out_i), R]; y: [T, sum(out_i)] updated in place."""
+    """h: [T, n*R]; b: [num_slots, R, sum(out_i)]; y: [T, sum(out_i)] updated in place."""
     num_slices = len(out_offsets) - 1
     num_tokens, width = y.shape
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     assert 1 <= num_slices <= MAX_SLICES, f"{num_slices} slices (at most {MAX_SLICES})"
-    assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[1]
+    assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[2]
     assert all(lo < hi for lo, hi in zip(out_offsets, out_offsets[1:], strict=False))
     assert h.shape == (num_tokens, num_slices * max_rank), f"h {tuple(h.shape)}"
     assert h.dtype == b.dtype == y.dtype and y.dtype in DTYPES, f"{h.dtype}/{b.dtype}/{y.dtype}"
@@ -505,8 +533,9 @@ def triton_expand(
         return
 
     num_slots = batch.slot_ranks.shape[0]
-    plan = _expand_plan(EXPAND_TABLE, num_tokens, tuple(out_offsets), max_rank, num_segments,
-                        num_slots, _unrolled(y), _num_sms(y.device), _pdl_enabled(y.device))
+    plan = _expand_plan(_expand_table(batch.one_token_segments), num_tokens, tuple(out_offsets),
+                        max_rank, num_segments, num_slots, _unrolled(y), _num_sms(y.device),
+                        _pdl_enabled(y.device))
     _EXPAND(
         plan,
         (h, b, y,
@@ -523,10 +552,16 @@ def _shrink_table(one_token_segments: bool) -> tuple:
     return SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE if one_token_segments else SHRINK_TABLE
 
 
+def _expand_table(one_token_segments: bool) -> tuple:
+    """The expand's rows for a batch, as `_shrink_table`."""
+    return EXPAND_ONE_TOKEN_TABLE + EXPAND_TABLE if one_token_segments else EXPAND_TABLE
+
+
 def one_token_variant_differs(num_tokens: int) -> bool:
-    """Whether a launch over `num_tokens` tokens picks another shrink tiling when every segment
-    is one token (a CUDA graph of that size then needs a variant for each)."""
-    return pick(_shrink_table(True), num_tokens) != pick(_shrink_table(False), num_tokens)
+    """Whether a launch over `num_tokens` tokens picks another shrink or expand tiling when every
+    segment is one token (a CUDA graph of that size then needs a variant for each)."""
+    return any(pick(table(True), num_tokens) != pick(table(False), num_tokens)
+               for table in (_shrink_table, _expand_table))
 
 
 @dataclass(frozen=True)
@@ -586,7 +621,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         NUM_NB=num_nb,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
-        NUM_RB=cdiv(max_rank, block_r),
+        MULTI_R=max_rank > block_r,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
     )
     return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)

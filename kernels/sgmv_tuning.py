@@ -28,13 +28,22 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   kernel's registers (168-212) left the one-token items 3 programs per SM (B = D = 64: 56.9).
 - 17-128 tokens with segments of several tokens (batched decode, one adapter shared by many
   requests), `bench_sgmv --sweep`, H100, 2026-11-24, us/layer: the shrink over 32 columns and
-  256-wide hidden steps, split 1024-wide; at B = 64 over 8 adapters 23.0 (block_m 1: 31.4). The
-  expand over 512 columns: 46.6 at B = D = 64 (71.1 for the 16-row tiling); at B = 64 over 8
-  adapters tile steps of 128 columns cost 21.8 against ~13 for wide 16-row tiles alone, but
-  wider tile steps (tile_n 512) raise the kernel's registers and cost B = D = 64 5 us.
-- The same row in a pool of max rank 64 (the mixed-rank case, ranks 8-64): `max_tile` keeps
-  block_n x the rank step at 8,192 elements, so rank-16 pools step 512 x 16 and rank-64 pools
-  128 x 64 (a rank step of 16 made the expand 329 us/layer, a 512 x 64 tile spilled).
+  256-wide hidden steps, split 1024-wide; at B = 64 over 8 adapters 23.0 (block_m 1: 31.4).
+- The expand reads B rank-major ([slots, R, out]): a rank step reads whole rows of the item's
+  columns and steps past the slot's rank read nothing, so an item's bytes follow the slot's true
+  rank (mixed ranks). A one-token item sums over the rank; Triton spreads a [rank step, block_n]
+  tile's columns over threads first, so the sum stays inside each thread only where block_n
+  spans every thread (8 x 32 x num_warps columns). Narrower blocks put rank rows on several
+  warps and sum through shared memory: `bench_sgmv --sweep --sweep-kernel expand`, H100,
+  2026-11-24, expand alone, us/layer, 512 x 16 over 4 warps against 1024 x 16 over 4 (or
+  256 x 16 over 1): B = 1 11.8 -> 4.5 (4.3), B = 8 22.2 -> 7.0 (7.3), B = D = 64 54.1 -> 38.3
+  (41.8), mixed ranks 8-64 102.3 -> 70.1 (69.3). Tiles of several tokens take tile products
+  instead and prefer narrow blocks: B = 64 over 8 adapters 17.2 for 512 x 16 over 4 warps,
+  14.6 for 256 over 1, 11.5 for 128 over 1, 33.1 for 1024 over 4. Hence the one-token table's
+  1024-wide row for 17-128 tokens and 128-wide tiles for the other batches there. Up to 16
+  tokens one-token tiles over 1024 columns serve every batch (`--sweep-small`, whole layers,
+  us/layer, against 16-row tiles over 256 columns of 1 warp): B = 1 10.1 (9.7-10.3), B = 8
+  15.5 (15.5), 16 tokens over one adapter 15.4 (20.0, its 16-row tiles' products).
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
@@ -114,12 +123,22 @@ SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
                        max_a_block=4096)),
 )
 
+# Tiles of one token over 1024 columns: up to 16 tokens for every batch (no second CUDA graph
+# for small buckets), and up to 128 for batches whose every segment is one token.
+_EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=4)
+
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (16, ExpandTiling(16, 128, 128, num_warps=4, num_stages=1, programs_per_sm=16)),
-    (128, ExpandTiling(16, 512, 64, num_warps=4, num_stages=1, programs_per_sm=16,
-                       max_tile=8192, tile_n=128)),
+    (16, _EXPAND_ONE_TOKEN),
+    (128, ExpandTiling(16, 128, 16, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=128)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
+)
+
+# Rows for batches whose every segment is one token, ahead of EXPAND_TABLE's (as for the shrink):
+# columns spanning every thread of the program (8 x 32 x 4), so each thread sums its columns over
+# the rank alone.
+EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
+    (128, _EXPAND_ONE_TOKEN),
 )
 
 

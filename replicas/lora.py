@@ -65,7 +65,7 @@ class LoraWeightPool:
             for o in outs:
                 offsets.append(offsets[-1] + o)
             self.out_offsets[group] = tuple(offsets)
-            a_shape, b_shape = (len(targets) * max_rank, d_in), (sum(outs), max_rank)
+            a_shape, b_shape = (len(targets) * max_rank, d_in), (max_rank, sum(outs))
             self.regions[group] = (offset, a_shape, offset + a_shape[0] * d_in, b_shape)
             offset += a_shape[0] * a_shape[1] + b_shape[0] * b_shape[1]
         self.slot_elems = offset
@@ -74,7 +74,7 @@ class LoraWeightPool:
             for _ in range(spec.num_layers)
         ]
         self.a: list[dict[str, torch.Tensor]] = []  # [S, n*R, in] per group
-        self.b: list[dict[str, torch.Tensor]] = []  # [S, sum(out), R] per group
+        self.b: list[dict[str, torch.Tensor]] = []  # [S, R, sum(out)] per group (rank-major)
         for buf in self.layers:
             self.a.append({g: _region(buf, a_off, a_shape)
                            for g, (a_off, a_shape, _, _) in self.regions.items()})
@@ -183,9 +183,16 @@ class LoraWeightPool:
             _set_element(self.ranks, slot, weights.rank)
             _set_element(self.scalings, slot, weights.scaling)
             packed = weights.layers is not None and weights.layers[0].numel() == self._slot_bytes
+            if packed:
+                # A packed layer lands here first, B as in the file ([out, R] per module), and
+                # is unpacked into the slot on the device (B transposed to rank-major), so the
+                # host packs with one copy per layer. Allocated on this stream: the allocator
+                # reuses it only for work ordered after this write's copies and unpacks.
+                staging = torch.empty(self.slot_elems, dtype=self.dtype, device=self.device)
             for layer in range(self.spec.num_layers):
                 if packed:  # the whole layer, zeros past each module's rank included
-                    self._layer_bytes[layer][slot].copy_(weights.layers[layer], non_blocking=True)
+                    staging.view(torch.uint8).copy_(weights.layers[layer], non_blocking=True)
+                    self._unpack(staging, layer, slot)
                     if events is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
@@ -195,15 +202,15 @@ class LoraWeightPool:
                     a, b = self.a[layer][group][slot], self.b[layer][group][slot]
                     offsets = self.out_offsets[group]
                     for i, target in enumerate(targets):
-                        rows, cols = a[i * R : (i + 1) * R], b[offsets[i] : offsets[i + 1]]
+                        rows, cols = a[i * R : (i + 1) * R], b[:, offsets[i] : offsets[i + 1]]
                         pair = weights.modules.get((layer, target))
                         r = 0 if pair is None else pair[0].shape[0]
                         if pair is not None:
                             rows[:r].copy_(pair[0], non_blocking=True)
-                            cols[:, :r].copy_(pair[1], non_blocking=True)
+                            _copy_transposed(cols[:r], pair[1])
                         if prev > r:
                             rows[r:prev].zero_()
-                            cols[:, r:prev].zero_()
+                            cols[r:prev].zero_()
                 if events is not None:
                     event = torch.cuda.Event()
                     event.record(stream)
@@ -211,6 +218,15 @@ class LoraWeightPool:
         self.ranks_host[slot] = weights.rank
         self.scalings_host[slot] = weights.scaling
         return events
+
+    def _unpack(self, staging: torch.Tensor, layer: int, slot: int) -> None:
+        """A staged packed layer into `slot`: each group's A as it is, its B from [out, R]
+        (the file's order) to [R, out]."""
+        for group, (a_off, a_shape, b_off, (rank, width)) in self.regions.items():
+            a_end = a_off + a_shape[0] * a_shape[1]
+            self.a[layer][group][slot].view(-1).copy_(staging[a_off:a_end])
+            staged = staging[b_off : b_off + rank * width].view(width, rank)
+            self.b[layer][group][slot].copy_(staged.t())
 
     def make_batch(
         self, seg_lens: list[int], seg_slots: list[int], num_tokens: int, to_device=None
@@ -247,6 +263,16 @@ class LoraWeightPool:
         self._ops.apply(
             x, self.a[layer][group], self.b[layer][group], batch, y, self.out_offsets[group]
         )
+
+
+def _copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst [r, out] = src [out, r]^T. From host memory to a GPU the bytes cross as they are
+    (non-blocking from pinned memory into a buffer on the current stream, which the allocator
+    keeps until that stream has used it) and the transpose runs on the device: a strided source
+    on the host would go through pageable memory, a blocking copy."""
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        src = src.to(dst.device, non_blocking=True)
+    dst.copy_(src.t())
 
 
 def _set_element(dst: torch.Tensor, index: int, value: float) -> None:

@@ -39,7 +39,7 @@ def test_cached_launches_match_the_reference(lens):
     offsets = (0, OUTS[0], OUTS[0] + OUTS[1], sum(OUTS))
     for dtype in (torch.bfloat16, torch.float16):
         a = torch.randn(3, 3 * RANK, HIDDEN, device=device, generator=g).to(dtype) / 8
-        b = torch.randn(3, sum(OUTS), RANK, device=device, generator=g).to(dtype) / 4
+        b = torch.randn(3, RANK, sum(OUTS), device=device, generator=g).to(dtype) / 4
         x = torch.randn(batch.num_tokens, HIDDEN, device=device, generator=g).to(dtype)
         y0 = torch.randn(batch.num_tokens, sum(OUTS), device=device, generator=g).to(dtype)
         h_ref = torch_shrink(x.float(), a.float(), batch, 3)

@@ -52,7 +52,7 @@ def test_pdl_chain_equals_plain_launches(monkeypatch, num_tokens):
     g = torch.Generator(device=device).manual_seed(0)
     weights = [
         (torch.randn(4, 3 * RANK, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8,
-         torch.randn(4, sum(OUTS), RANK, device=device, generator=g, dtype=torch.bfloat16) / 4)
+         torch.randn(4, RANK, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16) / 4)
         for _ in range(LAYERS)
     ]
     batch = make_batch(num_tokens, device)

@@ -24,6 +24,7 @@ from kernels.sgmv import (  # noqa: E402
     torch_shrink,
 )
 from kernels.sgmv_tuning import (  # noqa: E402
+    EXPAND_ONE_TOKEN_TABLE,
     EXPAND_TABLE,
     FLOAT32_CAPS,
     NO_SPLIT,
@@ -138,6 +139,7 @@ def tiling(request, monkeypatch):
         monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
         monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", ())
         monkeypatch.setattr(sgmv_triton, "EXPAND_TABLE", expand)
+        monkeypatch.setattr(sgmv_triton, "EXPAND_ONE_TOKEN_TABLE", ())
     return request.param
 
 
@@ -177,14 +179,14 @@ def batch_from_tables(starts, ends, slots, ranks, scalings, device=DEVICE, num_t
 
 
 def make_weights(layout: Layout, ranks: list[int], max_rank: int, dtype=torch.float32, seed=0):
-    """A [slots, n*R, hidden] and B [slots, sum(outs), R], zero past each slot's rank."""
+    """A [slots, n*R, hidden] and B [slots, R, sum(outs)], zero past each slot's rank."""
     g = torch.Generator().manual_seed(seed)
     n = len(layout.outs)
     a = torch.randn(len(ranks), n * max_rank, layout.hidden, generator=g) / layout.hidden**0.5
-    b = torch.randn(len(ranks), sum(layout.outs), max_rank, generator=g) / max_rank**0.5
+    b = torch.randn(len(ranks), max_rank, sum(layout.outs), generator=g) / max_rank**0.5
     for slot, r in enumerate(ranks):
         a.view(len(ranks), n, max_rank, -1)[slot, :, r:] = 0
-        b[slot, :, r:] = 0
+        b[slot, r:] = 0
     return a.to(DEVICE, dtype), b.to(DEVICE, dtype)
 
 
@@ -208,10 +210,10 @@ def poison_unread(h: torch.Tensor, batch: SgmvBatch, max_rank: int) -> torch.Ten
 def poison_past_rank(a: torch.Tensor, b: torch.Tensor, ranks: list[int], n: int):
     """NaN in the weights past each slot's rank: the kernels must not read them (true-rank cost)."""
     a, b = a.clone(), b.clone()
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     for slot, r in enumerate(ranks):
         a.view(a.shape[0], n, max_rank, -1)[slot, :, r:] = float("nan")
-        b[slot, :, r:] = float("nan")
+        b[slot, r:] = float("nan")
     return a, b
 
 
@@ -338,7 +340,6 @@ class TestLaunchers:
         offsets = (0, 4096, 5120, 6144)
         plan = sgmv_triton._expand_plan(table, 64, offsets, max_rank, 64, 64, False, 132)
         assert (plan.constants["BLOCK_N"], plan.constants["BLOCK_R"]) == (block_n, block_r)
-        assert plan.constants["NUM_RB"] * block_r >= max_rank
         assert plan.constants["NUM_NB"] == sum(-(-w // block_n) for w in (4096, 1024, 1024))
 
     def test_pools_of_up_to_64_slots_share_compiled_kernels(self):
@@ -375,6 +376,12 @@ class TestLaunchers:
         any_ = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(False), *args)
         assert one.constants["BLOCK_M"] == 1 and one.split_k == 1
         assert any_.constants["BLOCK_M"] == 16 and any_.split_k > 1
+        offsets = (0, 4096, 5120, 6144)
+        e_one = sgmv_triton._expand_plan(sgmv_triton._expand_table(True), 64, offsets, 16, 64,
+                                         64, False, 132)
+        e_any = sgmv_triton._expand_plan(sgmv_triton._expand_table(False), 64, offsets, 16, 64,
+                                         64, False, 132)
+        assert e_one.constants["BLOCK_M"] == 1 and e_any.constants["BLOCK_M"] == 16
         # a CUDA graph needs a variant only where the rows differ
         assert sgmv_triton.one_token_variant_differs(64)
         assert not sgmv_triton.one_token_variant_differs(1)
@@ -384,18 +391,27 @@ class TestLaunchers:
                                             "slot_in_two_segments"])
     def test_the_one_token_hint_never_changes_results(self, monkeypatch, batch_name):
         # Told wrongly that every segment is one token, the launch still computes every token.
-        shrink, _ = small_tiles()
+        shrink, expand = small_tiles()
+        one_shrink, one_expand = unsplit_tiles()
         monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
-        monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", unsplit_tiles()[0])
+        monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", one_shrink)
+        monkeypatch.setattr(sgmv_triton, "EXPAND_TABLE", expand)
+        monkeypatch.setattr(sgmv_triton, "EXPAND_ONE_TOKEN_TABLE", one_expand)
         layout = LAYOUTS["qkv_gqa"]
-        batch, a, _, x, _, _ = run_case(layout, batch_name)
+        batch, a, b, x, y, _ = run_case(layout, batch_name)
         assert batch.one_token_segments == (batch_name == "decode_distinct")  # from the host lists
         assert sgmv_triton.one_token_variant_differs(batch.num_tokens)
         inside = segment_rows(batch, x.shape[0])
         h_ref = torch_shrink(x, a, batch, 3)
+        y_ref = y.clone()
+        torch_expand(h_ref, b, batch, y_ref, layout.out_offsets)
         for hint in (True, False):
-            h = sgmv_triton.triton_shrink(x, a, replace(batch, one_token_segments=hint), 3)
+            hinted = replace(batch, one_token_segments=hint)
+            h = sgmv_triton.triton_shrink(x, a, hinted, 3)
             assert_close(h[inside], h_ref[inside])
+            y_out = y.clone()
+            sgmv_triton.triton_expand(h_ref, b, hinted, y_out, layout.out_offsets)
+            assert_close(y_out, y_ref)
 
     def test_rejects_mixed_dtypes(self):
         layout = LAYOUTS["single"]
@@ -440,7 +456,8 @@ class TestFloat32Caps:
     """Compiled float32 tiles are capped; other dtypes and the interpreter keep the table's."""
 
     @pytest.mark.parametrize("table", [SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE,
-                                       EXPAND_TABLE], ids=["shrink", "shrink_one_token", "expand"])
+                                       EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE + EXPAND_TABLE],
+                             ids=["shrink", "shrink_one_token", "expand", "expand_one_token"])
     @pytest.mark.parametrize("num_tokens", [1, 16, 17, 200, 5000])
     def test_capped_fields_only(self, table, num_tokens):
         row = pick(table, num_tokens)
@@ -462,7 +479,7 @@ class TestFloat32Caps:
 def naive_delta(x, a, b, batch: SgmvBatch, out_offsets) -> torch.Tensor:
     """The LoRA delta one token at a time, straight from the formula in kernels/sgmv.py."""
     n = len(out_offsets) - 1
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     delta = torch.zeros(x.shape[0], out_offsets[-1], dtype=torch.float64)
     for s, e, slot in zip(batch.seg_starts, batch.seg_ends, batch.seg_slots_host, strict=True):
         r, scale = batch.slot_ranks_host[slot], batch.slot_scalings_host[slot]
@@ -473,7 +490,7 @@ def naive_delta(x, a, b, batch: SgmvBatch, out_offsets) -> torch.Tensor:
                     for k in range(r):
                         h = sum(float(x[t, c]) * float(a[slot, i * max_rank + k, c])
                                 for c in range(x.shape[1]))
-                        acc += h * float(b[slot, o, k])
+                        acc += h * float(b[slot, k, o])
                     delta[t, o] = scale * acc
     return delta
 
@@ -488,10 +505,10 @@ class TestReferenceMatchesPerTokenLoop:
         batch = make_batch(runs, ranks, device="cpu")
         g = torch.Generator().manual_seed(3)
         a = torch.randn(len(ranks), 3 * max_rank, layout.hidden, generator=g, dtype=torch.float64)
-        b = torch.randn(len(ranks), sum(layout.outs), max_rank, generator=g, dtype=torch.float64)
+        b = torch.randn(len(ranks), max_rank, sum(layout.outs), generator=g, dtype=torch.float64)
         for slot, r in enumerate(ranks):  # the contract: zero past the rank
             a.view(len(ranks), 3, max_rank, -1)[slot, :, r:] = 0
-            b[slot, :, r:] = 0
+            b[slot, r:] = 0
         x = torch.randn(batch.num_tokens + 1, layout.hidden, generator=g, dtype=torch.float64)
         y = torch.randn(x.shape[0], sum(layout.outs), generator=g, dtype=torch.float64)
         y_ref = y.clone()
