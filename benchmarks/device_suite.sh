@@ -51,7 +51,8 @@ for s in "$@"; do
         tests)  # a hung test fails alone (pytest-timeout dumps its stack); the rest still run
             stage tests 420 python -m pytest -v --durations=0 --timeout=150 \
                 tests/gpu/test_adapter_loading.py tests/gpu/test_sync_free.py \
-                tests/gpu/test_engine_cuda.py tests/gpu/test_sgmv_pdl.py tests/gpu/test_sgmv_launch.py ;;
+                tests/gpu/test_engine_cuda.py tests/gpu/test_sgmv_pdl.py tests/gpu/test_sgmv_launch.py \
+                tests/gpu/test_staging.py ;;
         kernel-tests) stage kernel-tests 300 python -m pytest -q -x tests/kernels ;;
         decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
         prefill) stage prefill 240 python -m benchmarks.bench_prefill_step --profile --out "$OUT" ;;

@@ -171,7 +171,7 @@ class ModelRunner:
                 for length in lengths:
                     q_starts.append(q_starts[-1] + length)
                 segments = lengths[:num_slots]
-                self.staging.reset()
+                self.staging.reset()  # waits for the last pass's copies: no readback here
                 self._forward(
                     self.staging,
                     [0] * n,
@@ -224,7 +224,7 @@ class ModelRunner:
                     seg_slots.append(req.slot)
         num_tokens = len(ids)
         stage = self.staging
-        stage.reset()  # safe: the previous step's readback waited for its copies
+        stage.reset()  # free: the previous step's readback waited for its copies
         graphs = self.graphs
         if graphs is not None and num_tokens == len(seqs) and graphs.bucket_for(num_tokens):
             if layer_waits is not None:  # a graph cannot wait per layer: wait for whole loads

@@ -5,7 +5,10 @@ bounds, sampling parameters) are written into one pinned host buffer, bump-alloc
 every step, and copied to the device with `non_blocking=True`. The sampled tokens come back the
 same way, into a pinned output buffer, and the host waits on a CUDA event recorded after that
 copy: the step's one wait, and the reason the next step may overwrite the pinned buffers (all
-copies that read them were enqueued before the event).
+copies that read them were enqueued before the event). A reset with copies still unwaited for
+(forward passes without a readback: start-up warm-up) waits for them first, since the host can
+run a whole forward pass ahead of the device and would otherwise overwrite values a queued copy
+has yet to read.
 
 On CPU the same calls build plain tensors.
 """
@@ -26,9 +29,16 @@ class HostStaging:
             self._out = torch.empty(1 << 16, dtype=torch.int64, pin_memory=True)
             self._done = torch.cuda.Event()
         self._offset = 0
+        # streams that copies from the buffer went to since the last wait for them
+        self._unwaited: dict[int, torch.cuda.Stream] = {}
 
     def reset(self) -> None:
-        """Start a new step. Only call after the previous step's `readback` returned."""
+        """Start a new step, reusing the buffer. After a `readback` this costs nothing; otherwise
+        it waits (an event per stream) until every copy from the buffer has run."""
+        for stream in self._unwaited.values():
+            self._done.record(stream)
+            self._done.synchronize()  # not after a readback: start-up, not a step
+        self._unwaited.clear()
         self._offset = 0
 
     def tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
@@ -48,6 +58,8 @@ class HostStaging:
         self._offset = -(-end // _ALIGN) * _ALIGN
         staged = self._host[start:end].view(dtype).view(src.shape)
         staged.copy_(src)
+        stream = torch.cuda.current_stream(self.device)
+        self._unwaited[stream.cuda_stream] = stream
         return staged.to(self.device, non_blocking=True)
 
     def copy_into(self, dst: torch.Tensor, values, dtype: torch.dtype) -> None:
@@ -64,6 +76,8 @@ class HostStaging:
             self._out = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
         out = self._out[:n]
         out.copy_(tokens, non_blocking=True)
-        self._done.record()
+        stream = torch.cuda.current_stream(self.device)
+        self._done.record(stream)
         self._done.synchronize()  # the step's single wait: its sampled tokens are in `out`
+        self._unwaited.pop(stream.cuda_stream, None)  # and this stream's copies have run
         return out.tolist()
