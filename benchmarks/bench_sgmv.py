@@ -296,6 +296,10 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
 SWEEP_EXTRA = [  # --sweep-cases 6 and 7: many tokens over few adapters, one tile per 16
     Case("decode", (128,), (16,), "16"),
     Case("decode", (16,) * 8, (64,) * 8, "64"),
+    # 8-10: a pool of rank 128 (large adapters), prompts of a few hundred tokens and mixed steps
+    Case("decode", (128,), (128,), "128"),
+    Case("decode", (32,) * 4, (128,) * 4, "128"),
+    Case("prefill", (256,), (128,), "128"),
 ]
 
 
@@ -351,6 +355,9 @@ def sweep(args: argparse.Namespace) -> None:
                 (128, 16, 1, 32, 128), (256, 16, 2, 16, 128), (512, 16, 4, 16, 128),
                 (512, 32, 2, 16, 128), (256, 32, 1, 32, 128), (1024, 16, 4, 4, 128),
                 (512, 16, 2, 32, 128),
+                # wider rank steps for pools of a large max rank (tiles of several tokens)
+                (128, 32, 1, 32, 128), (128, 64, 2, 16, 128), (128, 64, 4, 8, 128),
+                (256, 64, 4, 8, 128), (128, 128, 4, 8, 128), (64, 64, 1, 32, 64),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)

@@ -40,7 +40,11 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   (41.8), mixed ranks 8-64 102.3 -> 70.1 (69.3). Tiles of several tokens take tile products
   instead and prefer narrow blocks: B = 64 over 8 adapters 17.2 for 512 x 16 over 4 warps,
   14.6 for 256 over 1, 11.5 for 128 over 1, 33.1 for 1024 over 4. Hence the one-token table's
-  1024-wide row for 17-128 tokens and 128-wide tiles for the other batches there. Up to 16
+  1024-wide row for 17-128 tokens and 128-wide tiles for the other batches there, over 4
+  warps with rank steps of up to 64: pools of a large max rank (128: adapters of large ranks)
+  take whole 64-row steps (128 tokens over one rank-128 adapter 53.4 us/layer for steps of 16
+  over 1 warp, 29.7; 4 x 32 tokens 57.2, 37.3), and in rank-16 pools the step is clamped to
+  16 (B = 64 over 8 adapters 11.8 over 1 warp, 11.2; 128 tokens over one 12.8, 10.7). Up to 16
   tokens one-token tiles over 1024 columns serve every batch (`--sweep-small`, whole layers,
   us/layer, against 16-row tiles over 256 columns of 1 warp): B = 1 10.1 (9.7-10.3), B = 8
   15.5 (15.5), 16 tokens over one adapter 15.4 (20.0, its 16-row tiles' products).
@@ -129,7 +133,7 @@ _EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, program
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, _EXPAND_ONE_TOKEN),
-    (128, ExpandTiling(16, 128, 16, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=128)),
+    (128, ExpandTiling(16, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8, tile_n=128)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
 )

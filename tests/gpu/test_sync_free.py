@@ -49,6 +49,11 @@ def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
             assert len(outputs) == 6
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    # Nor does the next step's reset of the pinned metadata wait: the readback covered its copies.
+    torch.cuda._sleep(1_000_000_000)
+    engine.runner.staging.reset()
+    assert not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
 
 
 def test_prefill_steps_run_under_sync_debug_error(tmp_path):
