@@ -1,10 +1,13 @@
 """Adapter weights on the device: one buffer per layer and projection group, indexed by slot.
 
 Groups share an input, so one shrink serves the whole group (see kernels/sgmv.py):
-    qkv:     q_proj, k_proj, v_proj     A [S, 3R, hidden]       B [S, q+2kv, R]
-    o:       o_proj                     A [S, R, q]             B [S, hidden, R]
-    gate_up: gate_proj, up_proj         A [S, 2R, hidden]       B [S, 2*inter, R]
-    down:    down_proj                  A [S, R, inter]         B [S, hidden, R]
+    qkv:     q_proj, k_proj, v_proj     A [S, 3R, hidden]       B [S, R, q+2kv]
+    o:       o_proj                     A [S, R, q]             B [S, R, hidden]
+    gate_up: gate_proj, up_proj         A [S, 2R, hidden]       B [S, R, 2*inter]
+    down:    down_proj                  A [S, R, inter]         B [S, R, hidden]
+B is rank-major: each rank index one row over the group's output columns, so the expand reads a
+slot's rank rows whole, whatever the pool's max rank. In a slot, every group's A comes first,
+then one [R, sum of all groups' widths] matrix whose column ranges are the groups' B.
 A projection an adapter does not target stays zero in its slot, so it adds nothing. The pool
 owns the buffers; `write` fills a slot that no running request uses (the slot pool guarantees it).
 """
@@ -53,11 +56,14 @@ class LoraWeightPool:
         self._ops = get_backend(backend)
         self.dtype = dtype
         # One buffer per layer, [num_slots, slot_elems]: a slot's weights for a layer are one
-        # contiguous run (every group's A then B), so an adapter packed the same way on the host
-        # (`pack`) reaches its slot in one copy per layer. The group tensors are views.
+        # contiguous run: every group's A, then B of all groups as one [R, width] matrix, rank-major
+        # (the groups' B are its column ranges). An adapter packed on the host in the file's
+        # order (`pack`: B [width, R]) reaches its slot in one copy of the A run and one
+        # transposed copy of the B matrix per layer. The group tensors are views.
         self.out_offsets: dict[str, tuple[int, ...]] = {}
-        self.regions: dict[str, tuple[int, tuple[int, int], int, tuple[int, int]]] = {}
-        offset = 0
+        self.a_regions: dict[str, tuple[int, tuple[int, int]]] = {}  # offset, [n*R, in]
+        self.b_columns: dict[str, tuple[int, int]] = {}  # the group's columns of the B matrix
+        offset, width = 0, 0
         for group, targets in LORA_GROUPS.items():
             d_in = spec.lora_dims(targets[0])[0]
             outs = [spec.lora_dims(t)[1] for t in targets]
@@ -65,26 +71,27 @@ class LoraWeightPool:
             for o in outs:
                 offsets.append(offsets[-1] + o)
             self.out_offsets[group] = tuple(offsets)
-            a_shape, b_shape = (len(targets) * max_rank, d_in), (max_rank, sum(outs))
-            self.regions[group] = (offset, a_shape, offset + a_shape[0] * d_in, b_shape)
-            offset += a_shape[0] * a_shape[1] + b_shape[0] * b_shape[1]
-        self.slot_elems = offset
+            self.a_regions[group] = (offset, (len(targets) * max_rank, d_in))
+            offset += len(targets) * max_rank * d_in
+            self.b_columns[group] = (width, width + offsets[-1])
+            width += offsets[-1]
+        self.a_elems, self.b_width = offset, width
+        self.slot_elems = offset + max_rank * width
         self.layers = [
             torch.zeros(num_slots, self.slot_elems, dtype=dtype, device=device)
             for _ in range(spec.num_layers)
         ]
         self.a: list[dict[str, torch.Tensor]] = []  # [S, n*R, in] per group
-        self.b: list[dict[str, torch.Tensor]] = []  # [S, R, sum(out)] per group (rank-major)
-        for buf in self.layers:
+        self.b_all = [_region(buf, offset, (max_rank, width)) for buf in self.layers]  # [S, R, W]
+        self.b: list[dict[str, torch.Tensor]] = []  # [S, R, sum(out)] per group: column views
+        for buf, b_all in zip(self.layers, self.b_all, strict=True):
             self.a.append({g: _region(buf, a_off, a_shape)
-                           for g, (a_off, a_shape, _, _) in self.regions.items()})
-            self.b.append({g: _region(buf, b_off, b_shape)
-                           for g, (_, _, b_off, b_shape) in self.regions.items()})
+                           for g, (a_off, a_shape) in self.a_regions.items()})
+            self.b.append({g: b_all[:, :, c0:c1] for g, (c0, c1) in self.b_columns.items()})
         self._layer_bytes = [buf.view(torch.uint8) for buf in self.layers]  # for packed writes
         self._slot_bytes = self._layer_bytes[0].shape[1]
-        # The bytes of the largest A or B region: `_pack` slices its zero fillers from these.
-        largest = max(n * m for _, a_shape, _, b_shape in self.regions.values()
-                      for n, m in (a_shape, b_shape))
+        # The largest module's A or B: `_pack` slices its zero fillers from these bytes.
+        largest = max_rank * max(max(spec.lora_dims(t)) for ts in LORA_GROUPS.values() for t in ts)
         self._zero_bytes = torch.zeros(largest * self.layers[0].element_size(), dtype=torch.uint8)
         self.ranks_host = [0] * num_slots
         self.scalings_host = [0.0] * num_slots
@@ -98,8 +105,10 @@ class LoraWeightPool:
     def pack(self, weights: AdapterWeights) -> AdapterWeights:
         """The adapter in pinned host memory, ready for `write`. When every module has the pool's
         max rank and the slot layout wastes little (untargeted projections are zeros in it), the
-        weights are packed into one buffer per layer in the slot's layout; a write is then one
-        copy per layer, near the full host->device bandwidth, instead of two per module."""
+        weights are packed into one buffer per layer, the slot's layout but for B in the file's
+        order ([width, R]); a write then crosses in two copies per layer, near the full
+        host->device bandwidth, and transposes B on the device, instead of two copies and a
+        transpose per module."""
         if weights.layers is not None:
             return weights
         if weights.modules and all(a.dtype == self.dtype for a, _ in weights.modules.values()):
@@ -130,9 +139,10 @@ class LoraWeightPool:
     def _pack(self, name: str, rank: int, scaling: float,
               parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
               ranks: list[int]) -> AdapterWeights | None:
-        """Pinned buffers in the slot layout, one per layer, each filled by one `torch.cat` of
-        the modules' bytes (`parts`: uint8 A and B per module) and zeros; None when packing does
-        not pay."""
+        """Pinned buffers, one per layer, each filled by one `torch.cat` of the modules' bytes
+        (`parts`: uint8 A and B per module, as in the file) and zeros: every group's A as in the
+        slot, then every group's B [out, R] one after another, the slot's B matrix transposed;
+        None when packing does not pay."""
         elem = self.layers[0].element_size()
         packed_bytes = self.spec.num_layers * self.slot_elems * elem
         given = sum(a.numel() + b.numel() for a, b in parts.values())
@@ -142,10 +152,10 @@ class LoraWeightPool:
         R = self.max_rank
         order = []
         for layer in range(self.spec.num_layers):
-            for group, targets in LORA_GROUPS.items():
-                _, (_, d_in), _, _ = self.regions[group]
-                offsets = self.out_offsets[group]
-                for side in (0, 1):
+            for side in (0, 1):  # every group's A, then every group's B ([out, R] as in the file)
+                for group, targets in LORA_GROUPS.items():
+                    d_in = self.a_regions[group][1][1]
+                    offsets = self.out_offsets[group]
                     for i, target in enumerate(targets):
                         pair = parts.get((layer, target))
                         if pair is not None:
@@ -184,15 +194,18 @@ class LoraWeightPool:
             _set_element(self.scalings, slot, weights.scaling)
             packed = weights.layers is not None and weights.layers[0].numel() == self._slot_bytes
             if packed:
-                # A packed layer lands here first, B as in the file ([out, R] per module), and
-                # is unpacked into the slot on the device (B transposed to rank-major), so the
-                # host packs with one copy per layer. Allocated on this stream: the allocator
-                # reuses it only for work ordered after this write's copies and unpacks.
-                staging = torch.empty(self.slot_elems, dtype=self.dtype, device=self.device)
+                # A packed layer's A run goes straight to the slot; its B ([width, R], the file's
+                # order) lands here first and is transposed into the slot's rank-major matrix on
+                # the device, so the host packs with one copy per layer. Allocated on this
+                # stream: the allocator reuses it only for work ordered after this write.
+                a_bytes = self.a_elems * self.layers[0].element_size()
+                staging = torch.empty(self.b_width, R, dtype=self.dtype, device=self.device)
             for layer in range(self.spec.num_layers):
                 if packed:  # the whole layer, zeros past each module's rank included
-                    staging.view(torch.uint8).copy_(weights.layers[layer], non_blocking=True)
-                    self._unpack(staging, layer, slot)
+                    src = weights.layers[layer]
+                    self._layer_bytes[layer][slot, :a_bytes].copy_(src[:a_bytes], non_blocking=True)
+                    staging.view(-1).view(torch.uint8).copy_(src[a_bytes:], non_blocking=True)
+                    self.b_all[layer][slot].copy_(staging.t())
                     if events is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
@@ -218,15 +231,6 @@ class LoraWeightPool:
         self.ranks_host[slot] = weights.rank
         self.scalings_host[slot] = weights.scaling
         return events
-
-    def _unpack(self, staging: torch.Tensor, layer: int, slot: int) -> None:
-        """A staged packed layer into `slot`: each group's A as it is, its B from [out, R]
-        (the file's order) to [R, out]."""
-        for group, (a_off, a_shape, b_off, (rank, width)) in self.regions.items():
-            a_end = a_off + a_shape[0] * a_shape[1]
-            self.a[layer][group][slot].view(-1).copy_(staging[a_off:a_end])
-            staged = staging[b_off : b_off + rank * width].view(width, rank)
-            self.b[layer][group][slot].copy_(staged.t())
 
     def make_batch(
         self, seg_lens: list[int], seg_slots: list[int], num_tokens: int, to_device=None

@@ -413,6 +413,21 @@ class TestLaunchers:
             sgmv_triton.triton_expand(h_ref, b, hinted, y_out, layout.out_offsets)
             assert_close(y_out, y_ref)
 
+    @pytest.mark.parametrize("batch_name", ["decode_distinct", "long_segments"])
+    def test_expand_reads_b_as_columns_of_a_wider_matrix(self, batch_name):
+        # The slot pool keeps every group's B as a column range of one [R, width] matrix per
+        # slot: rows further apart than the group's width.
+        layout = LAYOUTS["qkv_gqa"]
+        batch, a, b, x, y, _ = run_case(layout, batch_name)
+        wide = torch.full((b.shape[0], b.shape[1], b.shape[2] + 40), float("nan"), device=DEVICE)
+        view = wide[:, :, 24 : 24 + b.shape[2]]
+        view.copy_(b)
+        h = torch_shrink(x, a, batch, 3)
+        y_ref = y.clone()
+        torch_expand(h, b, batch, y_ref, layout.out_offsets)
+        sgmv_triton.triton_expand(h, view, batch, y, layout.out_offsets)
+        assert_close(y, y_ref)
+
     def test_rejects_mixed_dtypes(self):
         layout = LAYOUTS["single"]
         batch, a, b, x, y, _ = run_case(layout, "one_token")
