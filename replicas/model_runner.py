@@ -171,7 +171,7 @@ class ModelRunner:
                 for length in lengths:
                     q_starts.append(q_starts[-1] + length)
                 segments = lengths[:num_slots]
-                self.staging.reset()  # waits for the last pass's copies: no readback here
+                self.staging.reset()  # no readback here: the last pass's copies are fenced
                 self._forward(
                     self.staging,
                     [0] * n,

@@ -5,10 +5,13 @@ bounds, sampling parameters) are written into one pinned host buffer, bump-alloc
 every step, and copied to the device with `non_blocking=True`. The sampled tokens come back the
 same way, into a pinned output buffer, and the host waits on a CUDA event recorded after that
 copy: the step's one wait, and the reason the next step may overwrite the pinned buffers (all
-copies that read them were enqueued before the event). A reset with copies still unwaited for
-(forward passes without a readback: start-up warm-up) waits for them first, since the host can
-run a whole forward pass ahead of the device and would otherwise overwrite values a queued copy
-has yet to read.
+copies that read them were enqueued before the event).
+
+A step without a readback (a middle chunk of a chunked prefill samples nothing; start-up
+warm-up passes) leaves copies nobody waited for, and the host may run a whole pass ahead of the
+device: overwriting the buffer then would hand a queued copy the next step's values. Such a
+reset fences the buffer with an event and switches to a second one; it waits only when it comes
+back to a buffer whose fence (set a reset earlier) the device has not passed yet.
 
 On CPU the same calls build plain tensors.
 """
@@ -25,20 +28,36 @@ class HostStaging:
         self.device = device
         self.on_cuda = device.type == "cuda"
         if self.on_cuda:
-            self._host = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=True)
+            self._buffers = [torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=True)
+                             for _ in range(2)]
             self._out = torch.empty(1 << 16, dtype=torch.int64, pin_memory=True)
             self._done = torch.cuda.Event()
+        self._side = 0  # the buffer this step writes
+        self._fences: list[list[torch.cuda.Event]] = [[], []]  # per buffer, see `reset`
         self._offset = 0
-        # streams that copies from the buffer went to since the last wait for them
+        # streams that copies from the current buffer went to since the last wait for them
         self._unwaited: dict[int, torch.cuda.Stream] = {}
 
+    @property
+    def _host(self) -> torch.Tensor:
+        return self._buffers[self._side]
+
     def reset(self) -> None:
-        """Start a new step, reusing the buffer. After a `readback` this costs nothing; otherwise
-        it waits (an event per stream) until every copy from the buffer has run."""
-        for stream in self._unwaited.values():
-            self._done.record(stream)
-            self._done.synchronize()  # not after a readback: start-up, not a step
-        self._unwaited.clear()
+        """Start a new step. After a `readback` the same buffer is reused at no cost. Otherwise
+        its copies are fenced (an event per stream) and the step writes the other buffer, first
+        waiting for that buffer's own fence if it has one (normally passed long ago)."""
+        if self._unwaited:
+            fences = []
+            for stream in self._unwaited.values():
+                fence = torch.cuda.Event()
+                fence.record(stream)
+                fences.append(fence)
+            self._fences[self._side] = fences
+            self._unwaited.clear()
+            self._side ^= 1
+            for fence in self._fences[self._side]:
+                fence.synchronize()  # the device is two unwaited steps behind: let it catch up
+            self._fences[self._side] = []
         self._offset = 0
 
     def tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
@@ -52,7 +71,7 @@ class HostStaging:
         if end > self._host.numel():
             # Rare: a step larger than the buffer. Grow it; the old buffer's copies already ran
             # (the previous step waited on its event) or are enqueued before any reuse.
-            self._host = torch.empty(
+            self._buffers[self._side] = torch.empty(
                 max(2 * self._host.numel(), end), dtype=torch.uint8, pin_memory=True
             )
         self._offset = -(-end // _ALIGN) * _ALIGN
