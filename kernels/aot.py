@@ -153,12 +153,11 @@ def kernel_variants(tokens: int) -> list[tuple[str, bool]]:
     """(kernel, one_token) pairs to compile at a token count: each kernel once more where batches
     whose every segment is one token pick another row."""
     from kernels import sgmv_triton as st
-    from kernels.sgmv_tuning import pick
 
     variants = []
-    for kernel, table in (("shrink", st._shrink_table), ("expand", st._expand_table)):
+    for kernel in st.TABLES:
         variants.append((kernel, False))
-        if pick(table(True), tokens) != pick(table(False), tokens):
+        if st.kernel_variant_differs(kernel, tokens):
             variants.append((kernel, True))
     return variants
 

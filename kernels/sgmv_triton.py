@@ -557,11 +557,19 @@ def _expand_table(one_token_segments: bool) -> tuple:
     return EXPAND_ONE_TOKEN_TABLE + EXPAND_TABLE if one_token_segments else EXPAND_TABLE
 
 
+TABLES = {"shrink": _shrink_table, "expand": _expand_table}
+
+
+def kernel_variant_differs(kernel: str, num_tokens: int) -> bool:
+    """Whether `kernel` ("shrink" or "expand") picks another tiling over `num_tokens` tokens when
+    every segment is one token."""
+    table = TABLES[kernel]
+    return pick(table(True), num_tokens) != pick(table(False), num_tokens)
+
+
 def one_token_variant_differs(num_tokens: int) -> bool:
-    """Whether a launch over `num_tokens` tokens picks another shrink or expand tiling when every
-    segment is one token (a CUDA graph of that size then needs a variant for each)."""
-    return any(pick(table(True), num_tokens) != pick(table(False), num_tokens)
-               for table in (_shrink_table, _expand_table))
+    """Whether either kernel does (a CUDA graph of that size then needs a variant for each)."""
+    return any(kernel_variant_differs(kernel, num_tokens) for kernel in TABLES)
 
 
 @dataclass(frozen=True)
