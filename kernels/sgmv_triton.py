@@ -326,6 +326,14 @@ def _sgmv_shrink_kernel(
 
 
 @triton.jit
+def _b_rows(b_slot, r, rank, cols, col_mask, stride_br):
+    """Rows `r` of a slot's rank-major B over `cols`, [len(r), len(cols)]; rows at or past the
+    slot's rank read nothing (zeros)."""
+    return tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
+                   mask=(r < rank)[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr,
                  stride_ht, stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr, PRECISION: tl.constexpr,
@@ -340,8 +348,7 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
     y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
     y_mask = row_mask[:, None] & col_mask[None, :]
     r_in = offs_r < rank
-    bv = tl.load(b_slot + offs_r[:, None] * stride_br + cols[None, :],
-                 mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br)  # [BLOCK_R, BLOCK_N]
     if PDL:
         gdc_wait()
     yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -352,8 +359,7 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
         for r0 in range(BLOCK_R, rank, BLOCK_R):
             r = r0 + offs_r
             r_in = r < rank
-            bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
-                         mask=r_in[:, None] & col_mask[None, :], other=0.0)
+            bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br)
             hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
                          mask=row_mask[:, None] & r_in[None, :], other=0.0)
             acc = _product_kn(hv, bv, acc, PRECISION)
@@ -372,8 +378,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, strid
     offs_r = tl.arange(0, BLOCK_R)
     y_ptrs = y_ptr + row * stride_yt + cols
     r_in = offs_r < rank
-    bv = tl.load(b_slot + offs_r[:, None] * stride_br + cols[None, :],
-                 mask=r_in[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br)  # [BLOCK_R, BLOCK_N]
     if PDL:
         gdc_wait()
     yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
@@ -383,8 +388,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, strid
         for r0 in range(BLOCK_R, rank, BLOCK_R):
             r = r0 + offs_r
             r_in = r < rank
-            bv = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
-                         mask=r_in[:, None] & col_mask[None, :], other=0.0)
+            bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br)
             hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
             acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     out = yv.to(tl.float32) + scale * acc
