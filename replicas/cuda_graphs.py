@@ -149,7 +149,7 @@ class DecodeGraphs:
 
 
 def _segment_variants(num_tokens: int) -> tuple[bool, ...]:
-    """The `one_token_segments` values a bucket needs a graph for: both where the SGMV shrink
+    """The `one_token_segments` values a bucket needs a graph for: both where either SGMV kernel
     picks another tiling when every segment is one token, else one graph (True) for all."""
     from kernels.sgmv_triton import one_token_variant_differs
 
