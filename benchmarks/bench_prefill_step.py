@@ -12,8 +12,10 @@ here, or the weights' bytes over the HBM bandwidth timed here, whichever is larg
 repeats, prefill_host_profile_<tokens>_<adapter>.txt). `--profile` also writes, per case, the
 GPU time per kernel and the host time per op of one step (prefill_profile_<tokens>_<adapter>.txt),
 and reports the step's summed kernel time (`gpu_busy_ms`): far below `step_ms` means the step is
-bound by host work, not by kernels. `--dispatch` times each step again with every Triton launch
-through Triton's own dispatch (`kernels/launch.py`'s cached launches off), in the same run.
+bound by host work, not by kernels. Steps of up to `max_prefill_graph_tokens` replay per-layer
+CUDA graphs; each such case is timed eagerly too, in the same run (`eager_ms`). `--dispatch`
+times each step again with every Triton launch through Triton's own dispatch
+(`kernels/launch.py`'s cached launches off), in the same run.
 """
 
 from __future__ import annotations
@@ -157,6 +159,14 @@ def main() -> None:
                 launch.CACHED_LAUNCHES = True
                 row["dispatch_ms"] = 1000 * statistics.median(dispatch)
                 row["step_vs_dispatch"] = step_ms / row["dispatch_ms"]
+            graphs = engine.runner.prefill_graphs
+            if graphs is not None and graphs.bucket_for(tokens):  # the same step run eagerly
+                engine.runner.prefill_graphs = None
+                prefill_once(engine, tokens, adapter, rng)  # first eager use: kernels compile
+                eager = [prefill_once(engine, tokens, adapter, rng) for _ in range(args.repeats)]
+                engine.runner.prefill_graphs = graphs
+                row["eager_ms"] = 1000 * statistics.median(eager)
+                row["eager_vs_graphs"] = row["eager_ms"] / step_ms
             if rate is not None:
                 floor_ms = 1000 * max(2 * params * tokens / rate, weight_bytes / bandwidth)
                 row.update(floor_ms=floor_ms, ratio_to_floor=step_ms / floor_ms)
@@ -169,9 +179,9 @@ def main() -> None:
         "Prefill step, one request, Llama-3-8B shape" + (" (smoke: tiny model, CPU)"
                                                          if args.smoke else ""),
         "step time against max(2 x params x tokens / measured bf16 GEMM rate, weight bytes / "
-        "measured HBM bandwidth)",
+        "measured HBM bandwidth); graph-replayed steps against the same step run eagerly",
         ["tokens", "adapter", "step_ms", "gpu_busy_ms", "floor_ms", "ratio_to_floor",
-         "tokens_per_s", "dispatch_ms", "step_vs_dispatch"],
+         "tokens_per_s", "eager_ms", "eager_vs_graphs", "dispatch_ms", "step_vs_dispatch"],
         rows,
         {"gemm_TFLOPs": rate and rate / 1e12, "hbm_TBps": bandwidth and bandwidth / 1e12,
          "params": params},

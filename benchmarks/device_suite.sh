@@ -15,7 +15,7 @@
 #
 # Stage lengths seen on an H100: decode 72 s, sgmv-quick 35 s, churn16 349 s (48 requests a
 # cell), churn-large ~520 s (80 a cell; 125 s of it builds the first engine, 126 s the
-# all-resident one: run it alone in a call), churn128 132 s (40 a cell). `tests` takes 200-330 s,
+# all-resident one: run it alone in a call), churn128 132 s (40 a cell). `tests` takes 200-450 s,
 # most of it compiling kernels (the float32 engine test alone 75 s); it once sat in an SGMV
 # launch of its warm-up for over 140 s (float32 tiles are capped since).
 #
@@ -49,10 +49,10 @@ churn() {  # churn NAME LIMIT_S ARGS...
 for s in "$@"; do
     case "$s" in
         tests)  # a hung test fails alone (pytest-timeout dumps its stack); the rest still run
-            stage tests 420 python -m pytest -v --durations=0 --timeout=150 \
+            stage tests 540 python -m pytest -v --durations=0 --timeout=150 \
                 tests/gpu/test_adapter_loading.py tests/gpu/test_sync_free.py \
                 tests/gpu/test_engine_cuda.py tests/gpu/test_sgmv_pdl.py tests/gpu/test_sgmv_launch.py \
-                tests/gpu/test_staging.py ;;
+                tests/gpu/test_staging.py tests/gpu/test_prefill_graphs.py ;;
         kernel-tests) stage kernel-tests 300 python -m pytest -q -x tests/kernels ;;
         decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
         prefill) stage prefill 240 python -m benchmarks.bench_prefill_step --profile --out "$OUT" ;;

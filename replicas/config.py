@@ -40,7 +40,10 @@ class EngineConfig:
     )
     attention_backend: str = "auto"  # like sgmv_backend
     layer_ops_backend: str = "auto"  # norms, activation, rotary (kernels/layer_ops.py): as above
-    enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
+    enforce_eager: bool = False  # True: never replay steps from CUDA graphs
+    # Steps with prefill chunks of up to this many tokens replay per-layer CUDA graphs
+    # (replicas/cuda_graphs.py); larger ones run eagerly. 0: prefill steps always run eagerly.
+    max_prefill_graph_tokens: int = 1024
     warm_up: bool = True  # CUDA: run every step shape once at start-up (kernels compile then)
     seed: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())  # extra EOS ids beyond the model's own
@@ -70,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"unknown eviction_policy {self.eviction_policy!r}")
         if not 0.0 <= self.kv_reserve_ratio <= 1.0:
             raise ValueError("kv_reserve_ratio must be in [0, 1]")
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError("max_prefill_graph_tokens must be at least 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
 

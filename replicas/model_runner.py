@@ -15,7 +15,7 @@ import torch
 from kernels.attention import AttentionBatch, get_attention_backend
 from kernels.layer_ops import get_layer_ops
 from replicas.config import EngineConfig
-from replicas.cuda_graphs import DecodeGraphs
+from replicas.cuda_graphs import DecodeGraphs, PrefillGraphs
 from replicas.kv_cache import blocks_for
 from replicas.lora import LoraWeightPool
 from replicas.models.llama import StepContext
@@ -100,6 +100,7 @@ class ModelRunner:
         )
         self.attention = get_attention_backend(self.attention_backend)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
@@ -118,6 +119,20 @@ class ModelRunner:
                 device=self.device,
             )
             self.graphs.capture()
+            max_tokens = min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
+            if max_tokens > 0:
+                self.prefill_graphs = PrefillGraphs(
+                    self.model,
+                    self.lora_pool,
+                    self.kv_caches,
+                    max_tokens=max_tokens,
+                    max_seqs=config.max_num_seqs,
+                    max_blocks_per_seq=blocks_for(max_model_len, config.block_size),
+                    block_size=config.block_size,
+                    pad_slot=self.pad_slot,
+                    device=self.device,
+                )
+                self.prefill_graphs.capture()
         self._generators: dict[str, torch.Generator] = {}
         if self.device.type == "cuda" and config.warm_up:
             self.warm_up(config.max_num_batched_tokens, max_model_len)
@@ -155,12 +170,15 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_model_len: int) -> None:
         """Run the eager forward pass once per step size in WARM_UP_TOKENS up to `max_tokens` and
-        at `max_tokens` itself, with one, two and as many sequences as there are adapter slots,
-        each sequence one LoRA segment. Every key and value goes to the pad slot and every block
-        table points at the pad block, so no request's cache is touched; outputs are discarded."""
+        at `max_tokens` itself (sizes that replay prefill graphs excepted), with one, two and as
+        many sequences as there are adapter slots, each sequence one LoRA segment. Every key and
+        value goes to the pad slot and every block table points at the pad block, so no
+        request's cache is touched; outputs are discarded."""
         bs, pad_block = self.config.block_size, self.num_kv_blocks
         num_slots = self.lora_pool.num_slots
         for n in sorted({min(t, max_tokens) for t in WARM_UP_TOKENS} | {max_tokens}):
+            if self.prefill_graphs is not None and self.prefill_graphs.bucket_for(n):
+                continue  # such steps replay graphs, whose capture compiled their kernels
             fewest = -(-n // max_model_len)  # no dummy sequence longer than the model allows
             for num_seqs in sorted({max(k, fewest) for k in (1, 2, num_slots)} - {0}):
                 if num_seqs > n:
@@ -225,7 +243,7 @@ class ModelRunner:
         num_tokens = len(ids)
         stage = self.staging
         stage.reset()  # free: the previous step's readback waited for its copies
-        graphs = self.graphs
+        graphs, prefill = self.graphs, self.prefill_graphs
         if graphs is not None and num_tokens == len(seqs) and graphs.bucket_for(num_tokens):
             if layer_waits is not None:  # a graph cannot wait per layer: wait for whole loads
                 stream = torch.cuda.current_stream(self.device)
@@ -234,6 +252,12 @@ class ModelRunner:
             hidden = graphs.run(
                 stage, ids, positions, slot_mapping, tables, ctx_lens, seg_lens, seg_slots
             )
+        elif prefill is not None and prefill.bucket_for(num_tokens):
+            b = prefill.stage_step(
+                stage, ids, positions, slot_mapping, q_starts, tables, ctx_lens, seg_lens,
+                seg_slots,
+            )
+            hidden = prefill.replay(b, num_tokens, layer_waits)
         else:
             hidden = self._forward(
                 stage, ids, positions, slot_mapping, q_starts, ctx_lens, tables, seg_lens,

@@ -130,9 +130,15 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, positions, self.rope, ctx, self.ops)
+        return self.final_norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

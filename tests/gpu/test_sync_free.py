@@ -56,9 +56,12 @@ def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
     torch.cuda.synchronize()
 
 
-def test_prefill_steps_run_under_sync_debug_error(tmp_path):
+@pytest.mark.parametrize("graph_tokens", [0, 64], ids=["eager", "graphs"])
+def test_prefill_steps_run_under_sync_debug_error(tmp_path, graph_tokens):
     # A small token budget splits the long prompt into chunks: chunked prefill is checked too.
-    engine, adapters = engine_with_adapters(tmp_path, 2, max_num_batched_tokens=64)
+    engine, adapters = engine_with_adapters(tmp_path, 2, max_num_batched_tokens=64,
+                                            max_prefill_graph_tokens=graph_tokens)
+    assert (engine.runner.prefill_graphs is None) == (graph_tokens == 0)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for i, name in enumerate(adapters):  # adapters resident, kernels warm
         engine.add_request(Request(f"warm{i}", [5, 6, 7], params, name))
