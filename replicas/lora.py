@@ -57,9 +57,9 @@ class LoraWeightPool:
         self.dtype = dtype
         # One buffer per layer, [num_slots, slot_elems]: a slot's weights for a layer are one
         # contiguous run: every group's A, then B of all groups as one [R, width] matrix, rank-major
-        # (the groups' B are its column ranges). An adapter packed on the host in the file's
-        # order (`pack`: B [width, R]) reaches its slot in one copy of the A run and one
-        # transposed copy of the B matrix per layer. The group tensors are views.
+        # (the groups' B are its column ranges). An adapter packed on the host (`pack`: the
+        # slot's image per layer) reaches its slot in one copy per layer. The group tensors are
+        # views.
         self.out_offsets: dict[str, tuple[int, ...]] = {}
         self.a_regions: dict[str, tuple[int, tuple[int, int]]] = {}  # offset, [n*R, in]
         self.b_columns: dict[str, tuple[int, int]] = {}  # the group's columns of the B matrix
@@ -105,10 +105,9 @@ class LoraWeightPool:
     def pack(self, weights: AdapterWeights) -> AdapterWeights:
         """The adapter in pinned host memory, ready for `write`. When every module has the pool's
         max rank and the slot layout wastes little (untargeted projections are zeros in it), the
-        weights are packed into one buffer per layer, the slot's layout but for B in the file's
-        order ([width, R]); a write then crosses in two copies per layer, near the full
-        host->device bandwidth, and transposes B on the device, instead of two copies and a
-        transpose per module."""
+        weights are packed into one buffer per layer holding the slot's image; a write then
+        crosses in one copy per layer at the full host->device bandwidth, instead of two copies
+        and a transpose per module."""
         if weights.layers is not None:
             return weights
         if weights.modules and all(a.dtype == self.dtype for a, _ in weights.modules.values()):
@@ -139,10 +138,12 @@ class LoraWeightPool:
     def _pack(self, name: str, rank: int, scaling: float,
               parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
               ranks: list[int]) -> AdapterWeights | None:
-        """Pinned buffers, one per layer, each filled by one `torch.cat` of the modules' bytes
-        (`parts`: uint8 A and B per module, as in the file) and zeros: every group's A as in the
-        slot, then every group's B [out, R] one after another, the slot's B matrix transposed;
-        None when packing does not pay."""
+        """Pinned buffers, one per layer, each the slot's image: every group's A, then the
+        rank-major B matrix [R, width]. From `parts` (uint8 A and B per module, as in the file)
+        and zeros, three torch ops a layer on the calling (reader) thread: one `torch.cat` of the
+        A runs, one of the B blocks in the file's order ([width, R]) and one blocked transpose
+        into place (about 4 ms a layer at rank 128 on one core, off the step loop). None when
+        packing does not pay."""
         elem = self.layers[0].element_size()
         packed_bytes = self.spec.num_layers * self.slot_elems * elem
         given = sum(a.numel() + b.numel() for a, b in parts.values())
@@ -167,10 +168,16 @@ class LoraWeightPool:
         # and pinned blocks of a layer's size are cheap to find again.
         pin = self.device.type == "cuda"
         per_layer = len(order) // self.spec.num_layers
+        num_a = sum(len(targets) for targets in LORA_GROUPS.values())  # A chunks lead a layer
+        a_bytes = self.a_elems * elem
+        b_file = torch.empty(self.b_width, R, dtype=self.dtype)  # a layer's B as in the file
         layers = []
         for layer in range(self.spec.num_layers):
+            chunks = order[layer * per_layer : (layer + 1) * per_layer]
             buf = torch.empty(self.slot_elems * elem, dtype=torch.uint8, pin_memory=pin)
-            torch.cat(order[layer * per_layer : (layer + 1) * per_layer], out=buf)
+            torch.cat(chunks[:num_a], out=buf[:a_bytes])
+            torch.cat(chunks[num_a:], out=b_file.view(-1).view(torch.uint8))
+            buf[a_bytes:].view(self.dtype).view(R, self.b_width).copy_(b_file.t())
             layers.append(buf)
         return AdapterWeights(name, rank, scaling, {}, tuple(layers))
 
@@ -193,19 +200,9 @@ class LoraWeightPool:
             _set_element(self.ranks, slot, weights.rank)
             _set_element(self.scalings, slot, weights.scaling)
             packed = weights.layers is not None and weights.layers[0].numel() == self._slot_bytes
-            if packed:
-                # A packed layer's A run goes straight to the slot; its B ([width, R], the file's
-                # order) lands here first and is transposed into the slot's rank-major matrix on
-                # the device, so the host packs with one copy per layer. Allocated on this
-                # stream: the allocator reuses it only for work ordered after this write.
-                a_bytes = self.a_elems * self.layers[0].element_size()
-                staging = torch.empty(self.b_width, R, dtype=self.dtype, device=self.device)
             for layer in range(self.spec.num_layers):
-                if packed:  # the whole layer, zeros past each module's rank included
-                    src = weights.layers[layer]
-                    self._layer_bytes[layer][slot, :a_bytes].copy_(src[:a_bytes], non_blocking=True)
-                    staging.view(-1).view(torch.uint8).copy_(src[a_bytes:], non_blocking=True)
-                    self.b_all[layer][slot].copy_(staging.t())
+                if packed:  # the slot's image, zeros past each module's rank included: one copy
+                    self._layer_bytes[layer][slot].copy_(weights.layers[layer], non_blocking=True)
                     if events is not None:
                         event = torch.cuda.Event()
                         event.record(stream)

@@ -169,7 +169,7 @@ class AdapterFile:
     Nothing here makes a tensor per module: a reader thread that ran one torch op per tensor would
     hand the GIL back and forth with the engine's step loop hundreds of times per adapter (each
     hand-back can wait out the interpreter's switch interval). `LoraWeightPool.pack_file` turns
-    it into the packed layout (the slot's, B transposed) with one copy per layer; `to_weights`
+    it into the packed layout (the slot's image) with three torch ops per layer; `to_weights`
     gives per-module tensors.
     """
 
