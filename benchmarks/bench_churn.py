@@ -141,7 +141,8 @@ def run(engine: Engine, requests) -> dict:
     pending = list(enumerate(requests))
     arrival, first, last, count, itl, waits = {}, {}, {}, {}, [], []
     added: list[Request] = []
-    while pending or engine.has_work:
+
+    def add_due() -> None:  # as a server's inbox would: between steps and while one runs
         now = time.monotonic() - start
         while pending and pending[0][1][0] <= now:
             i, (t, adapter, prompt, n_out) = pending.pop(0)
@@ -151,10 +152,14 @@ def run(engine: Engine, requests) -> dict:
             engine.add_request(request)
             added.append(request)
             arrival[rid] = start + t
+
+    while pending or engine.has_work:
+        add_due()
         if not engine.has_work:
+            now = time.monotonic() - start
             time.sleep(min(0.001, max(0.0, pending[0][1][0] - now)) if pending else 0)
             continue
-        outputs = engine.step()
+        outputs = engine.step(on_idle=add_due)
         stamp = time.monotonic()
         for o in outputs:
             if not o.new_token_ids:

@@ -2,7 +2,9 @@
 
 The engine is single-threaded: only the engine thread touches it. Callers hand it work through a
 thread-safe inbox (add, abort); results come back through one asyncio queue per request, filled
-with `call_soon_threadsafe` on the caller's event loop.
+with `call_soon_threadsafe` on the caller's event loop. New requests are taken in while a step
+runs too (`Engine.step`'s `on_idle`), so their adapters start loading at once; everything else
+in the inbox (aborts, calls), and whatever was posted after it, waits for the step to end.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stopped = False
+        self._held: tuple[str, object] | None = None  # taken from the inbox mid-step, not run
         self._thread = threading.Thread(target=self._run, name="lorafleet-engine", daemon=True)
         self.last_error: BaseException | None = None
 
@@ -96,7 +99,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(on_idle=self._take_adds)
             except Exception as e:  # a bug or device error must not leave callers hanging
                 logger.exception("engine step failed; failing the requests in flight")
                 self.last_error = e
@@ -107,12 +110,28 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.001)
                 self._wake.clear()
 
-    def _drain_inbox(self) -> None:
-        while True:
+    def _take_adds(self) -> None:
+        """Mid-step: add the requests at the head of the inbox, in order, up to the first item
+        that is not an add (held for `_drain_inbox`, with everything behind it)."""
+        while self._held is None:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if kind != "add":
+                self._held = (kind, item)
+                return
+            self._add(item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            if self._held is not None:
+                (kind, item), self._held = self._held, None
+            else:
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
             if kind == "add":
                 self._add(item)
             elif kind == "call":

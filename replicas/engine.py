@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from replicas.adapters.loader import AdapterError
@@ -86,6 +87,8 @@ class Engine:
         self.stalled = False  # the last step ran nothing while requests wait (adapter reads)
         self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
         self.step_timings: deque[StepTiming] = deque(maxlen=STEP_LOG)
+        self._arrivals = 0  # requests added so far; the prefetcher has seen the first...
+        self._ticked_arrivals = 0  # ...this many
 
     @property
     def has_work(self) -> bool:
@@ -111,6 +114,7 @@ class Engine:
                 raise RequestRejected(str(e), e.status) from e
             request.cold_adapter = not self.adapters.is_resident(request.adapter)
         self.scheduler.add(request)
+        self._arrivals += 1
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         """Serve a new adapter by name. Raises RequestRejected (400 bad files or name in use)."""
@@ -149,15 +153,25 @@ class Engine:
         self.runner.forget(request_id)
         return RequestOutput(request_id, [], request.finish_reason, None, request.num_prompt_tokens)
 
-    def step(self) -> list[RequestOutput]:
+    def _tick_adapters(self) -> None:
+        """The adapter manager's per-step work: collect reads; in prefetch mode, queue and
+        start loads for the waiting requests' adapters."""
+        self._ticked_arrivals = self._arrivals
+        self.adapters.tick(
+            [(r.adapter, r.arrival_time) for r in self.scheduler.waiting if r.adapter is not None]
+        )
+
+    def step(self, on_idle: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Run one step. `on_idle()`, if given, runs while the host waits for the step's device
+        work (repeatedly, every few hundred microseconds) and may `add_request`: in prefetch
+        mode, the adapters of requests added then start loading during the step, not at the
+        next one (a server passes its inbox here)."""
         if self.adapters.retired:  # unloaded while in use: drop once its last request is done
             in_use = {r.adapter for r in self.scheduler.requests()}
             for name in [n for n in self.adapters.retired if n not in in_use]:
                 self.adapters.forget(name)
         loads_before = self.adapters.stats.gpu_loads
-        self.adapters.tick(
-            [(r.adapter, r.arrival_time) for r in self.scheduler.waiting if r.adapter is not None]
-        )
+        self._tick_adapters()
         sched = self.scheduler.schedule()
         blocking_load = (self.adapters.mode == "blocking"
                          and self.adapters.stats.gpu_loads > loads_before)
@@ -178,7 +192,21 @@ class Engine:
         slots = {s.request.slot for s in sched.seqs if s.request.slot is not None}
         started = time.monotonic()
         layer_waits = self.adapters.layer_waits(slots)
-        tokens = self.runner.execute(sched.seqs, layer_waits)
+        poll = on_idle is not None and self.adapters.mode == "prefetch"
+        marked = False
+
+        def while_running() -> bool:
+            nonlocal marked
+            if not marked:  # every launch of the step is enqueued: copies into other slots may
+                self.adapters.mark_used(slots)  # start now, into these after the step
+                marked = True
+            if on_idle is not None:
+                on_idle()
+            if poll and self._arrivals != self._ticked_arrivals:
+                self._tick_adapters()
+            return poll
+
+        tokens = self.runner.execute(sched.seqs, layer_waits, while_running)
         # The readback waited for the step's device work: this is the step's time. A moving
         # average tells the adapter manager how long a copy can hide behind one step.
         elapsed = time.monotonic() - started

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -209,10 +210,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, seqs: list[ScheduledSeq], layer_waits: list[list[torch.cuda.Event]] | None = None
+        self,
+        seqs: list[ScheduledSeq],
+        layer_waits: list[list[torch.cuda.Event]] | None = None,
+        while_running: Callable[[], bool] | None = None,
     ) -> list[int]:
         """Run one step. Returns the sampled token of every seq whose `samples` is true, in the
-        order of `seqs`. `layer_waits[L]` are adapter-load events layer L must wait on."""
+        order of `seqs`. `layer_waits[L]` are adapter-load events layer L must wait on.
+        `while_running()` runs once every launch is enqueued and, while it returns True, again
+        every few hundred microseconds until the step's tokens are back (HostStaging.readback)."""
         started = time.monotonic()
         order = sorted(range(len(seqs)), key=lambda i: _slot_key(seqs[i]))
         ids: list[int] = []
@@ -266,6 +272,8 @@ class ModelRunner:
         rows = [k for k, i in enumerate(order) if seqs[i].samples]
         if not rows:
             self.last_launch_s = time.monotonic() - started
+            if while_running is not None:
+                while_running()
             return []
         last = stage.tensor([q_starts[k + 1] - 1 for k in rows], torch.int64)
         logits = self.model.logits(hidden[last])
@@ -277,7 +285,9 @@ class ModelRunner:
             stage.tensor,
         )
         self.last_launch_s = time.monotonic() - started  # every launch issued, none waited on
-        by_seq = dict(zip((order[k] for k in rows), stage.readback(tokens), strict=True))
+        by_seq = dict(
+            zip((order[k] for k in rows), stage.readback(tokens, while_running), strict=True)
+        )
         return [by_seq[i] for i in sorted(by_seq)]
 
     def _forward(

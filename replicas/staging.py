@@ -13,14 +13,22 @@ device: overwriting the buffer then would hand a queued copy the next step's val
 reset fences the buffer with an event and switches to a second one; it waits only when it comes
 back to a buffer whose fence (set a reset earlier) the device has not passed yet.
 
+While the host waits for the sampled tokens, `readback` can hand the time to a callback
+(`while_waiting`): the engine uses it to take in requests that arrived during the step and to
+start their adapters' copies on the load stream, instead of at the next step boundary.
+
 On CPU the same calls build plain tensors.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 _ALIGN = 16
+POLL_S = 1e-4  # how often a waiting readback checks its event between `while_waiting` calls
 
 
 class HostStaging:
@@ -86,9 +94,15 @@ class HostStaging:
         `values`, without a blocking copy."""
         dst.copy_(self.tensor(values, dtype).view(dst.shape), non_blocking=True)
 
-    def readback(self, tokens: torch.Tensor) -> list[int]:
-        """The sampled token ids on the host. Waits on an event, never on the whole device."""
+    def readback(
+        self, tokens: torch.Tensor, while_waiting: Callable[[], bool] | None = None
+    ) -> list[int]:
+        """The sampled token ids on the host. Waits on an event, never on the whole device.
+        `while_waiting()` runs once the copy is enqueued, then every POLL_S until the tokens are
+        in for as long as it returns True (it returns False to wait without polling)."""
         if not self.on_cuda:
+            if while_waiting is not None:
+                while_waiting()
             return tokens.tolist()
         n = tokens.numel()
         if n > self._out.numel():
@@ -97,6 +111,11 @@ class HostStaging:
         out.copy_(tokens, non_blocking=True)
         stream = torch.cuda.current_stream(self.device)
         self._done.record(stream)
+        if while_waiting is not None and while_waiting():
+            while not self._done.query():  # a query, not a wait
+                time.sleep(POLL_S)
+                if not while_waiting():
+                    break
         self._done.synchronize()  # the step's single wait: its sampled tokens are in `out`
         self._unwaited.pop(stream.cuda_stream, None)  # and this stream's copies have run
         return out.tolist()

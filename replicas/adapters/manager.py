@@ -112,6 +112,9 @@ class AdapterManager:
         self._pending: dict[int, Copy] = {}
         # every copy on the load stream not yet seen to land, in stream order
         self._in_flight: deque[Copy] = deque()
+        # slot -> an event after the last step that read it (`mark_used`): a copy into the slot
+        # waits for that step only, so it may start while a later step runs
+        self._last_use: dict[int, torch.cuda.Event] = {}
         self.step_time_s = 0.0  # recent model step time, kept by the engine
 
     # -- resolution ---------------------------------------------------------------------------
@@ -304,15 +307,30 @@ class AdapterManager:
             return None
         return [list(layer) for layer in zip(*pending, strict=True)]
 
+    def mark_used(self, slots: set[int]) -> None:
+        """Called once a step's launches are enqueued: record an event after them for the slots
+        the step reads. A later copy into one of these slots waits on that event instead of on
+        everything enqueued on the compute stream."""
+        if self._stream is None or not slots:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.weights.device))
+        for slot in slots:
+            self._last_use[slot] = event
+
     # -- internals ------------------------------------------------------------------------------
 
     def _upload(self, adapter: str, weights: AdapterWeights, assignment) -> None:
         slot = assignment.slot
         self._pending.pop(slot, None)
         if self._stream is not None:
-            # The slot's previous adapter may still be read by work already enqueued on the
-            # compute stream: the copies start after it.
-            self._stream.wait_stream(torch.cuda.current_stream(self.weights.device))
+            # The slot's previous adapter may still be read by a step on the compute stream:
+            # the copies start after the last step that read it (its event). A step in flight
+            # reads only slots its running requests hold, and a held slot is never assigned,
+            # so a copy started during a step waits for no part of it.
+            last = self._last_use.pop(slot, None)
+            if last is not None:
+                self._stream.wait_event(last)
         stream = self._stream if self.mode != "blocking" else None
         events = self.weights.write(slot, weights, stream)
         if events:

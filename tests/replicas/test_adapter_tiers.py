@@ -324,3 +324,73 @@ def test_step_timings_mark_the_steps_that_waited_on_a_load(models, fleet):
     gated = [t for t in timings if t.gated]
     assert gated == prefill  # the admitting step runs behind its blocking load, and only it
     assert engine.adapters.stats.gpu_loads == len(names)
+
+
+@pytest.mark.parametrize("mode", ["prefetch", "overlap"])
+def test_requests_added_while_a_step_runs_start_loading_in_it(models, fleet, mode):
+    """A server hands the engine requests that arrive mid-step (`step(on_idle=...)`). In
+    prefetch mode their adapters start loading during that step, so the next step admits them
+    with the adapter in its slot; other modes load at admission."""
+    engine = fleet_engine(models, fleet, adapter_loading=mode, max_loras_per_batch=2)
+    deadline = time.monotonic() + 30
+    for name in ("ad0", "ad3"):  # in host memory: a load is a copy
+        while not engine.adapters.prepare(name):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    first = Request("a", PROMPTS[0], greedy(4), "ad0")
+    late = Request("b", PROMPTS[1], greedy(3), "ad3")
+    engine.add_request(first)
+    assert engine.step() and first.output_token_ids  # prefilled: the next step is a decode
+    calls = []
+
+    def on_idle():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            engine.add_request(late)
+
+    stats = engine.adapters.stats
+    loads, prefetched, hits = stats.gpu_loads, stats.prefetch_loads, stats.hits
+    engine.step(on_idle=on_idle)
+    assert calls and late in engine.scheduler.waiting  # admitted no earlier than the next step
+    assert engine.adapters.is_resident("ad3") == (mode == "prefetch")
+    assert stats.prefetch_loads == prefetched + (mode == "prefetch")
+    assert stats.gpu_loads == loads + (mode == "prefetch")
+    while engine.has_work:
+        engine.step()
+        assert_slots_hold_their_adapters(engine)
+    assert late.output_token_ids == hf_greedy(models["llama"], PROMPTS[1], 3, fleet["ad3"])
+    assert first.output_token_ids == hf_greedy(models["llama"], PROMPTS[0], 4, fleet["ad0"])
+    assert stats.hits == hits + (mode == "prefetch")  # admitted into the slot loaded mid-step
+
+
+def test_mid_step_intake_takes_adds_in_order_up_to_anything_else():
+    """The server's engine thread adds requests while a step runs, but stops at the first inbox
+    item that is not an add: that item and everything after it wait for the step's end, in
+    order (a request for an adapter loaded by a call just before it must come after the call)."""
+    from replicas.async_engine import AsyncEngine
+    from replicas.protocol import GenerateRequest
+
+    log = []
+
+    class Recorder:
+        def add_request(self, request):
+            log.append(("add", request.request_id))
+
+        def abort(self, request_id):
+            log.append(("abort", request_id))
+
+    engine = AsyncEngine(Recorder())  # its thread is not started: the test drives the inbox
+    post = engine._post
+    post("add", GenerateRequest("r1", [1], greedy(1)))
+    post("call", (lambda e: log.append(("call", "load")), (), None, None))
+    post("add", GenerateRequest("r2", [1], greedy(1), "loaded-by-the-call"))
+    post("abort", "r1")
+    engine._take_adds()
+    engine._take_adds()  # a held item stops every later mid-step intake too
+    assert log == [("add", "r1")]
+    try:
+        engine._drain_inbox()
+    except AttributeError:  # the call's result goes to an event loop this test has none of
+        pass
+    engine._drain_inbox()
+    assert log == [("add", "r1"), ("call", "load"), ("add", "r2"), ("abort", "r1")]
