@@ -155,6 +155,21 @@ class AppArgs(BaseModel):
         le=1.0,
         description="Share of the GPU memory left after weights and adapter slots for KV cache.",
     )
+    enforce_eager: bool = Field(
+        default=False,
+        description=(
+            "Run every engine step eagerly: no CUDA graphs (start-up is faster, steps slower)."
+        ),
+    )
+    max_prefill_graph_tokens: int = Field(
+        default=1024,
+        ge=0,
+        description=(
+            "Steps with prefill chunks of up to this many tokens replay per-layer CUDA graphs "
+            "(captured at start-up for token buckets up to it); larger ones run eagerly, where "
+            "the device, not the host, sets their pace. 0: prefill steps always run eagerly."
+        ),
+    )
     max_ongoing_requests: int = Field(
         default=256,
         ge=1,
@@ -262,6 +277,8 @@ class AppArgs(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            enforce_eager=self.enforce_eager,
+            max_prefill_graph_tokens=self.max_prefill_graph_tokens,
             max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_lora_rank,
             max_loaded_loras=self.max_loaded_loras,

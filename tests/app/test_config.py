@@ -90,6 +90,12 @@ class TestAppArgs:
         assert (config.max_lora_rank, config.max_num_seqs, config.max_model_len) == (32, 8, 512)
         assert config.max_loaded_loras == args.max_loaded_loras
         assert (config.adapter_loading, config.pinned_adapters) == ("prefetch", ())
+        assert (config.enforce_eager, config.max_prefill_graph_tokens) == (False, 1024)
+        graphs = AppArgs(enforce_eager=True, max_prefill_graph_tokens=0)
+        config = graphs.to_engine_config("/models/m", "cuda")
+        assert (config.enforce_eager, config.max_prefill_graph_tokens) == (True, 0)
+        with pytest.raises(ValueError):
+            AppArgs(max_prefill_graph_tokens=-1)
 
     @pytest.mark.parametrize(
         ("fields", "mode"),
