@@ -171,15 +171,22 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_model_len: int) -> None:
         """Run the eager forward pass once per step size in WARM_UP_TOKENS up to `max_tokens` and
-        at `max_tokens` itself (sizes that replay prefill graphs excepted), with one, two and as
-        many sequences as there are adapter slots, each sequence one LoRA segment. Every key and
-        value goes to the pad slot and every block table points at the pad block, so no
-        request's cache is touched; outputs are discarded."""
+        at `max_tokens` itself (sizes that replay prefill graphs excepted, one above them added),
+        with one, two and as many sequences as there are adapter slots, each sequence one LoRA
+        segment. Every key and value goes to the pad slot and every block table points at the
+        pad block, so no request's cache is touched; outputs are discarded."""
         bs, pad_block = self.config.block_size, self.num_kv_blocks
         num_slots = self.lora_pool.num_slots
-        for n in sorted({min(t, max_tokens) for t in WARM_UP_TOKENS} | {max_tokens}):
-            if self.prefill_graphs is not None and self.prefill_graphs.bucket_for(n):
-                continue  # such steps replay graphs, whose capture compiled their kernels
+        sizes = {min(t, max_tokens) for t in WARM_UP_TOKENS} | {max_tokens}
+        graphs = self.prefill_graphs
+        if graphs is not None:
+            # Capturing the graphs compiled the kernels of the sizes they cover. Above them, a
+            # size that is no multiple of 16 (Triton specializes on that) beside max_tokens.
+            bound = graphs.buckets[-1]
+            sizes = {n for n in sizes if n > bound} | {min(bound + 1, max_tokens)}
+        for n in sorted(sizes):
+            if graphs is not None and graphs.bucket_for(n):
+                continue
             fewest = -(-n // max_model_len)  # no dummy sequence longer than the model allows
             for num_seqs in sorted({max(k, fewest) for k in (1, 2, num_slots)} - {0}):
                 if num_seqs > n:
