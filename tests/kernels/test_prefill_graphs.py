@@ -88,3 +88,23 @@ def test_the_padded_graph_step_gives_the_eager_steps_rows(tmp_path):
                                meta["slot_mapping"], meta["q_starts"], meta["ctx_lens"],
                                meta["tables"], [], [])
     assert not torch.allclose(base[:10], want[:10], atol=1e-3)
+
+
+def test_warm_up_skips_graph_sizes_but_covers_both_specializations_above(tmp_path):
+    model_dir = make_model(tmp_path / "m", hidden_size=64, intermediate_size=96, num_heads=4,
+                           num_kv_heads=2)
+    spec = ModelSpec.from_dir(model_dir)
+    runner = ModelRunner(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=32,
+                                      block_size=BS), spec, 64)
+    runner.prefill_graphs = PrefillGraphs(
+        runner.model, runner.lora_pool, runner.kv_caches, max_tokens=128, max_seqs=8,
+        max_blocks_per_seq=16, block_size=BS, pad_slot=runner.pad_slot,
+        device=torch.device("cpu"))
+    sizes = []
+    runner._forward = lambda stage, ids, *rest: sizes.append(len(ids))
+    runner.warm_up(max_tokens=512, max_model_len=64)
+    assert min(sizes) == 129 and max(sizes) == 512  # nothing the graphs cover
+    assert {n % 16 == 0 for n in sizes} == {True, False}
+    sizes.clear()
+    runner.warm_up(max_tokens=128, max_model_len=64)  # every size is a graph's
+    assert sizes == []
