@@ -2,9 +2,10 @@
 
 The engine is single-threaded: only the engine thread touches it. Callers hand it work through a
 thread-safe inbox (add, abort); results come back through one asyncio queue per request, filled
-with `call_soon_threadsafe` on the caller's event loop. New requests are taken in while a step
-runs too (`Engine.step`'s `on_idle`), so their adapters start loading at once; everything else
-in the inbox (aborts, calls), and whatever was posted after it, waits for the step to end.
+with `call_soon_threadsafe` on the caller's event loop. New requests and prefetch hints are
+taken in while a step runs too (`Engine.step`'s `on_idle`), so their adapters start loading at
+once; everything else in the inbox (aborts, calls), and whatever was posted after it, waits for
+the step to end.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class AsyncEngine:
         self._post("call", (fn, args, loop, future))
         return await future
 
+    def hint(self, hints: list[tuple[str, float]]) -> None:
+        """Adapters expected soon, (name, seconds until needed) each: the prefetcher starts on
+        them between steps or while one runs. Nothing to wait for; unknown names are ignored."""
+        self._post("hints", list(hints))
+
     def _post(self, kind: str, item: object) -> None:
         self._inbox.put((kind, item))
         self._wake.set()
@@ -99,7 +105,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step(on_idle=self._take_adds)
+                outputs = self.engine.step(on_idle=self._take_intake)
             except Exception as e:  # a bug or device error must not leave callers hanging
                 logger.exception("engine step failed; failing the requests in flight")
                 self.last_error = e
@@ -110,18 +116,25 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.001)
                 self._wake.clear()
 
-    def _take_adds(self) -> None:
-        """Mid-step: add the requests at the head of the inbox, in order, up to the first item
-        that is not an add (held for `_drain_inbox`, with everything behind it)."""
+    def _take_intake(self) -> None:
+        """Mid-step: take the requests and hints at the head of the inbox, in order, up to the
+        first other item (held for `_drain_inbox`, with everything behind it)."""
         while self._held is None:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind != "add":
+            if kind == "add":
+                self._add(item)
+            elif kind == "hints":
+                self._hint(item)
+            else:
                 self._held = (kind, item)
                 return
-            self._add(item)
+
+    def _hint(self, hints: list[tuple[str, float]]) -> None:
+        for adapter, eta_s in hints:
+            self.engine.prefetch_hint(adapter, eta_s)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -134,6 +147,8 @@ class AsyncEngine:
                     return
             if kind == "add":
                 self._add(item)
+            elif kind == "hints":
+                self._hint(item)
             elif kind == "call":
                 fn, args, loop, future = item
                 try:

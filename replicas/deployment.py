@@ -139,7 +139,7 @@ class EngineDeployment:
         return await self.engine.call(_served_adapters)
 
     async def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
-        await self.engine.call(Engine.prefetch_hint, adapter, eta_s)
+        self.engine.hint([(adapter, eta_s)])
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ class EngineDeployment:
         await follow_hints(self.replica_id, lambda: get_or_create_board(name), self._take_hints)
 
     async def _take_hints(self, hints: list[tuple[str, float]]) -> None:
-        await self.engine.call(_prefetch_hints, hints)
+        self.engine.hint(hints)
 
     async def check_health(self) -> None:
         if not self.engine.alive:
@@ -363,11 +363,6 @@ def _routing_stats(engine: Engine) -> dict[str, Any]:
         "num_waiting": len(engine.scheduler.waiting),
         "num_running": len(engine.scheduler.running),
     }
-
-
-def _prefetch_hints(engine: Engine, hints: list[tuple[str, float]]) -> None:
-    for adapter, eta_s in hints:
-        engine.prefetch_hint(adapter, eta_s)
 
 
 async def _every(period_s: float, work: Callable[[], Awaitable[None]], what: str) -> None:

@@ -87,8 +87,8 @@ class Engine:
         self.stalled = False  # the last step ran nothing while requests wait (adapter reads)
         self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
         self.step_timings: deque[StepTiming] = deque(maxlen=STEP_LOG)
-        self._arrivals = 0  # requests added so far; the prefetcher has seen the first...
-        self._ticked_arrivals = 0  # ...this many
+        self._intake = 0  # requests and prefetch hints taken so far; the prefetcher has seen...
+        self._ticked_intake = 0  # ...the first this many
 
     @property
     def has_work(self) -> bool:
@@ -114,7 +114,7 @@ class Engine:
                 raise RequestRejected(str(e), e.status) from e
             request.cold_adapter = not self.adapters.is_resident(request.adapter)
         self.scheduler.add(request)
-        self._arrivals += 1
+        self._intake += 1
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         """Serve a new adapter by name. Raises RequestRejected (400 bad files or name in use)."""
@@ -142,6 +142,7 @@ class Engine:
         except AdapterError:
             return
         self.adapters.hint(adapter, time.monotonic() + eta_s)
+        self._intake += 1
 
     def adapter_status(self) -> dict[str, dict]:
         return self.adapters.status()
@@ -156,16 +157,16 @@ class Engine:
     def _tick_adapters(self) -> None:
         """The adapter manager's per-step work: collect reads; in prefetch mode, queue and
         start loads for the waiting requests' adapters."""
-        self._ticked_arrivals = self._arrivals
+        self._ticked_intake = self._intake
         self.adapters.tick(
             [(r.adapter, r.arrival_time) for r in self.scheduler.waiting if r.adapter is not None]
         )
 
     def step(self, on_idle: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one step. `on_idle()`, if given, runs while the host waits for the step's device
-        work (repeatedly, every few hundred microseconds) and may `add_request`: in prefetch
-        mode, the adapters of requests added then start loading during the step, not at the
-        next one (a server passes its inbox here)."""
+        work (repeatedly, every few hundred microseconds) and may `add_request` or
+        `prefetch_hint`: in prefetch mode, the adapters they name start loading during the step,
+        not at the next one (a server passes its inbox here)."""
         if self.adapters.retired:  # unloaded while in use: drop once its last request is done
             in_use = {r.adapter for r in self.scheduler.requests()}
             for name in [n for n in self.adapters.retired if n not in in_use]:
@@ -202,7 +203,7 @@ class Engine:
                 marked = True
             if on_idle is not None:
                 on_idle()
-            if poll and self._arrivals != self._ticked_arrivals:
+            if poll and self._intake != self._ticked_intake:
                 self._tick_adapters()
             return poll
 

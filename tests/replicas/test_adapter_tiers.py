@@ -347,14 +347,20 @@ def test_requests_added_while_a_step_runs_start_loading_in_it(models, fleet, mod
         calls.append(len(calls))
         if len(calls) == 1:
             engine.add_request(late)
+            engine.prefetch_hint("ad4")  # a router's hint, mid-step too
 
     stats = engine.adapters.stats
     loads, prefetched, hits = stats.gpu_loads, stats.prefetch_loads, stats.hits
     engine.step(on_idle=on_idle)
     assert calls and late in engine.scheduler.waiting  # admitted no earlier than the next step
-    assert engine.adapters.is_resident("ad3") == (mode == "prefetch")
-    assert stats.prefetch_loads == prefetched + (mode == "prefetch")
-    assert stats.gpu_loads == loads + (mode == "prefetch")
+    prefetching = mode == "prefetch"
+    assert engine.adapters.is_resident("ad3") == prefetching
+    assert stats.prefetch_loads == prefetched + prefetching
+    assert stats.gpu_loads == loads + prefetching
+    if prefetching:  # the hint is queued behind the request's need; its disk read has begun
+        manager = engine.adapters
+        assert "ad4" in manager.queue
+        assert "ad4" in manager._reads or "ad4" in manager.host
     while engine.has_work:
         engine.step()
         assert_slots_hold_their_adapters(engine)
@@ -363,10 +369,10 @@ def test_requests_added_while_a_step_runs_start_loading_in_it(models, fleet, mod
     assert stats.hits == hits + (mode == "prefetch")  # admitted into the slot loaded mid-step
 
 
-def test_mid_step_intake_takes_adds_in_order_up_to_anything_else():
-    """The server's engine thread adds requests while a step runs, but stops at the first inbox
-    item that is not an add: that item and everything after it wait for the step's end, in
-    order (a request for an adapter loaded by a call just before it must come after the call)."""
+def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
+    """The server's engine thread takes requests and prefetch hints while a step runs, but stops
+    at the first other inbox item: that item and everything after it wait for the step's end,
+    in order (a request for an adapter loaded by a call just before it must come after it)."""
     from replicas.async_engine import AsyncEngine
     from replicas.protocol import GenerateRequest
 
@@ -379,18 +385,22 @@ def test_mid_step_intake_takes_adds_in_order_up_to_anything_else():
         def abort(self, request_id):
             log.append(("abort", request_id))
 
+        def prefetch_hint(self, adapter, eta_s):
+            log.append(("hint", adapter))
+
     engine = AsyncEngine(Recorder())  # its thread is not started: the test drives the inbox
     post = engine._post
     post("add", GenerateRequest("r1", [1], greedy(1)))
+    engine.hint([("x", 0.0), ("y", 0.1)])
     post("call", (lambda e: log.append(("call", "load")), (), None, None))
     post("add", GenerateRequest("r2", [1], greedy(1), "loaded-by-the-call"))
     post("abort", "r1")
-    engine._take_adds()
-    engine._take_adds()  # a held item stops every later mid-step intake too
-    assert log == [("add", "r1")]
+    engine._take_intake()
+    engine._take_intake()  # a held item stops every later mid-step intake too
+    assert log == [("add", "r1"), ("hint", "x"), ("hint", "y")]
     try:
         engine._drain_inbox()
     except AttributeError:  # the call's result goes to an event loop this test has none of
         pass
     engine._drain_inbox()
-    assert log == [("add", "r1"), ("call", "load"), ("add", "r2"), ("abort", "r1")]
+    assert log[3:] == [("call", "load"), ("add", "r2"), ("abort", "r1")]
