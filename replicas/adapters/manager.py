@@ -46,9 +46,10 @@ LOADING_MODES = ("blocking", "overlap", "prefetch")
 # A copy expected to land within COPY_STEPS recent steps (or SHORT_COPY_S, if longer) never holds
 # a request back (`copy_settled`): it arrives layer by layer while the step computes, and
 # stretches the step it joins by at most one step's time -- what admitting the request a step
-# later would cost that request anyway. "Land" counts the copies queued ahead of it: the load
-# stream runs its copies one after another. The same window bounds what the prefetcher queues
-# on the load stream, so a need that shows up later waits behind at most that much.
+# later would cost that request anyway. "Land" counts what is still to land of it and of the
+# copies queued ahead of it (the load stream runs its copies one after another, each layer by
+# layer; a copy started during the last step is partly there). The same window bounds what the
+# prefetcher queues on the load stream, so a need that shows up later waits behind at most that.
 SHORT_COPY_S = 0.005
 COPY_STEPS = 2.0
 COPY_BYTES_PER_S = 50e9  # pinned host -> GPU over PCIe 5 (about 55 GB/s measured on an H100)
@@ -64,6 +65,18 @@ class Copy:
 
     def landed(self) -> bool:
         return self.events[-1].query()
+
+    def remaining_bytes(self) -> int:
+        """Bytes of the layers not yet seen to land. The load stream lands a copy's layers in
+        order, so the first pending event splits them: found in log2(layers) event queries."""
+        lo, hi = 0, len(self.events)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.events[mid].query():
+                lo = mid + 1
+            else:
+                hi = mid
+        return self.nbytes * (len(self.events) - lo) // len(self.events)
 
 
 @dataclass
@@ -210,9 +223,9 @@ class AdapterManager:
         return False
 
     def copy_settled(self, adapter: str) -> bool:
-        """No copy of the adapter in flight, or one expected to land (with the copies queued
-        ahead of it) within the copy window, or one whose middle layer has landed. Queries
-        events; never waits."""
+        """No copy of the adapter in flight, or one whose bytes still to land (its own and the
+        copies' queued ahead of it) fit the copy window, or one whose middle layer has landed.
+        Queries events; never waits."""
         slot = self.slots.slot_of(adapter)
         copy = self._pending.get(slot) if slot is not None else None
         if copy is None:
@@ -227,13 +240,14 @@ class AdapterManager:
         return max(SHORT_COPY_S, COPY_STEPS * self.step_time_s) * COPY_BYTES_PER_S
 
     def _queued_bytes(self, through: Copy | None = None) -> int:
-        """Bytes on the load stream up to and including `through` (all of them if None; 0 if
-        it has landed), counting whole copies not yet seen to land. Forgets landed copies."""
+        """Bytes still to land on the load stream up to and including `through` (all of them if
+        None; 0 if it has landed): the layers of each copy not yet seen to land. Forgets landed
+        copies."""
         while self._in_flight and self._in_flight[0].landed():
             self._in_flight.popleft()
         total = 0
         for copy in self._in_flight:
-            total += copy.nbytes
+            total += copy.remaining_bytes()
             if copy is through:
                 return total
         return 0 if through is not None else total

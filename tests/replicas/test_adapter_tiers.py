@@ -283,6 +283,30 @@ def test_copy_settled_counts_the_copies_queued_ahead(models, fleet, monkeypatch)
     assert manager.status()["ad2"]["tier"] == "gpu"
 
 
+def test_copy_settled_counts_only_the_layers_still_to_land(models, fleet, monkeypatch):
+    """A copy started during the previous step is partly there: admission counts the layers
+    not yet landed (they land in order), its own and those of the copies ahead of it."""
+    engine = fleet_engine(models, fleet, max_loras_per_batch=3)
+    manager = engine.adapters
+    copies = record_copies(engine, monkeypatch)
+    for name in ("ad1", "ad2"):
+        while not manager.prepare(name):
+            time.sleep(0.005)
+    size = {n: manager.host.peek(n).nbytes for n in ("ad1", "ad2")}
+    manager.acquire("ad1")
+    manager.acquire("ad2")
+    layers = len(copies[0])
+    assert layers >= 2
+    rest = size["ad1"] * (layers - 1) // layers  # of ad1, once its first layer landed
+    manager.step_time_s = (rest + size["ad2"]) / (manager_mod.COPY_STEPS
+                                                   * manager_mod.COPY_BYTES_PER_S)
+    assert manager.copy_window_bytes < size["ad1"] + size["ad2"]
+    assert not manager.copy_settled("ad2")
+    copies[0][0].done = True  # ad1's first layer is in
+    assert manager.copy_settled("ad2")
+    assert manager._queued_bytes() == rest + size["ad2"]
+
+
 def test_prefetch_queues_no_more_than_the_copy_window(models, fleet, monkeypatch):
     engine = fleet_engine(models, fleet, max_loras_per_batch=4)
     manager = engine.adapters
