@@ -210,6 +210,8 @@ class Scheduler:
         return tokens / self.blocks.block_size
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        if not self.waiting:  # the headroom sum below walks every running request
+            return budget
         slot_blocked = False
         scheduled = {id(s.request): s.num_new_tokens for s in out.seqs}
         reserve = sum(self._future_blocks(r, scheduled.get(id(r), 0)) for r in self.running)
