@@ -6,6 +6,8 @@
 #   bash benchmarks/device_suite.sh kernel-tests                 # tests/kernels compiled (slow)
 #   bash benchmarks/device_suite.sh sgmv-sweep                   # tuning candidates (prints)
 #   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
+#   bash benchmarks/device_suite.sh copy-overlap                 # load-stream copies vs the step;
+#                                                                #   host time of an adapter write
 #   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
 #   bash benchmarks/device_suite.sh churn-256                    #   (run each alone)
@@ -56,6 +58,7 @@ for s in "$@"; do
         kernel-tests) stage kernel-tests 300 python -m pytest -q -x tests/kernels ;;
         decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
         prefill) stage prefill 240 python -m benchmarks.bench_prefill_step --profile --out "$OUT" ;;
+        copy-overlap) stage copy-overlap 180 python -m benchmarks.bench_copy_overlap --out "$OUT" ;;
         sgmv-quick) stage sgmv-quick 150 python -m benchmarks.bench_sgmv --quick --out "$OUT" ;;
         sgmv-variants) stage sgmv-variants 240 python -m benchmarks.bench_sgmv --quick --variants \
             --out "$OUT" ;;
