@@ -20,6 +20,7 @@ from kernels.layer_ops import get_layer_ops
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.kv_cache import blocks_for
 from replicas.lora import LORA_GROUPS, LoraWeightPool
+from replicas.model_runner import FlatStep
 from replicas.models.llama import StepContext
 from replicas.models.spec import ModelSpec, RopeSpec
 from replicas.models.weights import random_model
@@ -160,9 +161,9 @@ def main() -> None:
             def graphed(seg_lens=seg_lens, seg_slots=seg_slots, graphs=graphs):
                 stage.reset()
                 with torch.inference_mode():
-                    h = graphs.run(
-                        stage, ids, positions, slot_mapping, tables, ctx_lens, seg_lens, seg_slots
-                    )
+                    step = FlatStep(ids, positions, slot_mapping, list(range(B + 1)), ctx_lens,
+                                    tables, seg_lens, seg_slots)
+                    h = graphs.run(stage, step)
                     return model.logits(h)
 
             floor_bytes = (

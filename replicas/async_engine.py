@@ -119,26 +119,17 @@ class AsyncEngine:
     def _take_intake(self) -> None:
         """Mid-step: take the requests and hints at the head of the inbox, in order, up to the
         first other item (held for `_drain_inbox`, with everything behind it)."""
-        while self._held is None:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._add(item)
-            elif kind == "hints":
-                self._hint(item)
-            else:
-                self._held = (kind, item)
-                return
+        self._drain_inbox(mid_step=True)
 
     def _hint(self, hints: list[tuple[str, float]]) -> None:
         for adapter, eta_s in hints:
             self.engine.prefetch_hint(adapter, eta_s)
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self, mid_step: bool = False) -> None:
         while True:
             if self._held is not None:
+                if mid_step:
+                    return
                 (kind, item), self._held = self._held, None
             else:
                 try:
@@ -149,6 +140,9 @@ class AsyncEngine:
                 self._add(item)
             elif kind == "hints":
                 self._hint(item)
+            elif mid_step:
+                self._held = (kind, item)
+                return
             elif kind == "call":
                 fn, args, loop, future = item
                 try:

@@ -17,6 +17,8 @@ device tensors and size their grids from static bounds.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.attention import AttentionBatch, AttentionFn
@@ -25,13 +27,132 @@ from replicas.lora import LoraWeightPool
 from replicas.models.llama import LlamaModel, StepContext
 from replicas.staging import HostStaging
 
+if TYPE_CHECKING:
+    from replicas.model_runner import FlatStep
+
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # Token counts of graph-replayed prefill steps: a step runs as the smallest bucket that holds
 # it, so at most a third of a bucket's tokens are padding past 48.
 PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
-class DecodeGraphs:
+class _GraphedSteps:
+    """What both kinds of captured step share: the static device buffers their graphs read,
+    sized for `tokens` tokens, `seqs` sequences and `segments` LoRA segments; `_stage`, which
+    copies a step into their first rows; and `_context`, the step context over those rows that
+    a graph captures. Spare sequences have no new tokens and a context of 0, spare segments
+    are empty, and padding tokens belong to neither: their key and value go to the pad slot."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        lora_pool: LoraWeightPool,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        tokens: int,
+        seqs: int,
+        segments: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        pad_slot: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.lora_pool = lora_pool
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.pad_slot = pad_slot
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(tokens, **i64)
+        self.positions = torch.zeros(tokens, **i64)
+        self.slot_mapping = torch.full((tokens,), pad_slot, **i64)
+        self.block_table = torch.zeros(seqs, max_blocks_per_seq, **i32)
+        self.ctx_lens = torch.zeros(seqs, **i32)
+        self.q_starts = torch.arange(seqs + 1, **i32)  # one token a row until a step says else
+        self.seg_indptr = torch.zeros(segments + 1, **i32)
+        self.seg_slots = torch.zeros(segments, **i32)
+
+    buckets: list[int]  # token counts captured, ascending
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The smallest captured bucket holding `num_tokens` tokens; None: none does."""
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def _stage(
+        self, stage: HostStaging, step: FlatStep, b: int, s: int, k: int, q_starts: bool
+    ) -> None:
+        """Copy `step` into the buffers' first `b` tokens, `s` sequences and `k` segments
+        (non-blocking); `q_starts`: whether the sequences' offsets are staged too (decode steps
+        keep one token a row)."""
+        n, pad, spare = step.num_tokens, b - step.num_tokens, s - len(step.ctx_lens)
+        stage.copy_into(self.input_ids[:b], step.ids + [0] * pad, torch.int64)
+        stage.copy_into(self.positions[:b], step.positions + [0] * pad, torch.int64)
+        stage.copy_into(self.slot_mapping[:b], step.slot_mapping + [self.pad_slot] * pad,
+                        torch.int64)
+        if q_starts:
+            stage.copy_into(self.q_starts[: s + 1], step.q_starts + [n] * spare, torch.int32)
+        stage.copy_into(self.ctx_lens[:s], step.ctx_lens + [0] * spare, torch.int32)
+        # Only the real sequences' rows, as wide as the longest: attention reads no block past
+        # a context, and spare rows have a context of 0. (Every row at the buffer's width cost
+        # the host about a millisecond a step at 64 sequences of an 8k-token max_model_len.)
+        rows = step.table_rows()
+        stage.copy_into(self.block_table[: len(rows), : len(rows[0])], rows, torch.int32)
+        bounds = [0]
+        for length in step.seg_lens:
+            bounds.append(bounds[-1] + length)
+        bounds += [bounds[-1]] * (k + 1 - len(bounds))
+        stage.copy_into(self.seg_indptr[: k + 1], bounds, torch.int32)
+        slots = step.seg_slots + [0] * (k - len(step.seg_slots))
+        stage.copy_into(self.seg_slots[:k], slots, torch.int32)
+
+    def _context(
+        self, b: int, s: int, k: int, q_starts: list[int], ctx_lens: list[int],
+        one_token: bool, attention: AttentionFn,
+    ) -> StepContext:
+        """The context over the first `b` tokens, `s` sequences and `k` segments. `q_starts` and
+        `ctx_lens` are host stand-ins of those shapes (the kernels read the tensors), as are the
+        segments' host lists."""
+        attn = AttentionBatch(
+            q_starts=q_starts,
+            ctx_lens=ctx_lens,
+            slot_mapping=self.slot_mapping[:b],
+            block_table=self.block_table[:s],
+            ctx_lens_t=self.ctx_lens[:s],
+            q_starts_t=self.q_starts[: s + 1],
+            block_size=self.block_size,
+            sliding_window=self.model.spec.sliding_window,
+        )
+        pool = self.lora_pool
+        lora = SgmvBatch(
+            seg_starts=list(range(k)),
+            seg_ends=list(range(1, k + 1)),
+            seg_slots_host=[0] * k,
+            seg_indptr=self.seg_indptr[: k + 1],
+            seg_slots=self.seg_slots[:k],
+            slot_ranks=pool.ranks,
+            slot_scalings=pool.scalings,
+            slot_ranks_host=tuple(pool.ranks_host),
+            slot_scalings_host=tuple(pool.scalings_host),
+            num_tokens=b,
+            one_token_segments=one_token,
+        )
+        return StepContext(attn, lora, self.kv_caches, pool, attention)
+
+    def _settle(self, b: int, ctx: StepContext) -> None:
+        """Run bucket `b` eagerly once on a side stream before capturing it: kernels compile
+        and allocations settle."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.model(self.input_ids[:b], self.positions[:b], ctx)
+        torch.cuda.current_stream().wait_stream(side)
+
+
+class DecodeGraphs(_GraphedSteps):
+    """Decode steps: one graph per batch-size bucket of one token a sequence, one segment at
+    most a token (two graphs where the SGMV tilings differ for steps whose every segment is
+    one token)."""
+
     def __init__(
         self,
         model: LlamaModel,
@@ -44,71 +165,26 @@ class DecodeGraphs:
         pad_slot: int,
         device: torch.device,
     ) -> None:
-        self.model = model
-        self.lora_pool = lora_pool
-        self.kv_caches = kv_caches
+        super().__init__(model, lora_pool, kv_caches, max_batch, max_batch, max_batch,
+                         max_blocks_per_seq, block_size, pad_slot, device)
         self.attention = attention
-        self.block_size = block_size
-        self.pad_slot = pad_slot
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
-        m = max_batch
-        i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(m, **i64)
-        self.positions = torch.zeros(m, **i64)
-        self.slot_mapping = torch.full((m,), pad_slot, **i64)
-        self.block_table = torch.zeros(m, max_blocks_per_seq, **i32)
-        self.ctx_lens = torch.zeros(m, **i32)
-        self.q_starts = torch.arange(m + 1, **i32)  # one token per row, always
-        self.seg_indptr = torch.zeros(m + 1, **i32)
-        self.seg_slots = torch.zeros(m, **i32)
         # Per bucket, a graph for steps whose every LoRA segment is one token (decode over
         # distinct adapters) and, where the SGMV tilings differ for them, one for the rest.
         self.variants = {b: _segment_variants(b) for b in self.buckets}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
 
-    def bucket_for(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
-
-    def _context(self, b: int, one_token: bool) -> StepContext:
-        attn = AttentionBatch(
-            q_starts=list(range(b + 1)),  # host shape only: the decode kernel reads the tensors
-            ctx_lens=[1] * b,
-            slot_mapping=self.slot_mapping[:b],
-            block_table=self.block_table[:b],
-            ctx_lens_t=self.ctx_lens[:b],
-            q_starts_t=self.q_starts[: b + 1],
-            block_size=self.block_size,
-            sliding_window=self.model.spec.sliding_window,
-        )
-        pool = self.lora_pool
-        lora = SgmvBatch(  # b segments at most; unused ones are empty (equal bounds)
-            seg_starts=list(range(b)),
-            seg_ends=list(range(1, b + 1)),
-            seg_slots_host=[0] * b,
-            seg_indptr=self.seg_indptr[: b + 1],
-            seg_slots=self.seg_slots[:b],
-            slot_ranks=pool.ranks,
-            slot_scalings=pool.scalings,
-            slot_ranks_host=tuple(pool.ranks_host),
-            slot_scalings_host=tuple(pool.scalings_host),
-            num_tokens=b,
-            one_token_segments=one_token,
-        )
-        return StepContext(attn, lora, self.kv_caches, pool, self.attention)
+    def _decode_context(self, b: int, one_token: bool) -> StepContext:
+        return self._context(b, b, b, list(range(b + 1)), [1] * b, one_token, self.attention)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
             for one_token in self.variants[b]:
-                ctx = self._context(b, one_token)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # compile kernels and settle allocations first
-                    self.model(self.input_ids[:b], self.positions[:b], ctx)
-                torch.cuda.current_stream().wait_stream(side)
+                ctx = self._decode_context(b, one_token)
+                self._settle(b, ctx)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.hidden[b, one_token] = self.model(
@@ -117,28 +193,13 @@ class DecodeGraphs:
                 self.graphs[b, one_token] = graph
         torch.cuda.synchronize()
 
-    def run(
-        self,
-        stage: HostStaging,
-        ids: list[int],
-        positions: list[int],
-        slot_mapping: list[int],
-        tables: list[list[int]],
-        ctx_lens: list[int],
-        seg_lens: list[int],
-        seg_slots: list[int],
-    ) -> torch.Tensor:
-        """Replay the decode graph for len(ids) sequences; returns hidden states [n, hidden]."""
-        n = len(ids)
+    def run(self, stage: HostStaging, step: FlatStep) -> torch.Tensor:
+        """Replay the decode graph for the step's sequences (one token each); returns hidden
+        states [n, hidden]."""
+        n = step.num_tokens
         b = self.bucket_for(n)
-        pad = b - n
-        stage.copy_into(self.input_ids[:b], ids + [0] * pad, torch.int64)
-        stage.copy_into(self.positions[:b], positions + [0] * pad, torch.int64)
-        stage.copy_into(self.slot_mapping[:b], slot_mapping + [self.pad_slot] * pad, torch.int64)
-        stage.copy_into(self.ctx_lens[:b], ctx_lens + [0] * pad, torch.int32)
-        _copy_block_tables(stage, self.block_table, tables)
-        _copy_segments(stage, self.seg_indptr[: b + 1], self.seg_slots[:b], seg_lens, seg_slots)
-        one_token = all(length == 1 for length in seg_lens)
+        self._stage(stage, step, b, b, b, q_starts=False)
+        one_token = all(length == 1 for length in step.seg_lens)
         key = (b, one_token or len(self.variants[b]) == 1)
         self.graphs[key].replay()
         return self.hidden[key][:n]
@@ -152,7 +213,7 @@ def _segment_variants(num_tokens: int) -> tuple[bool, ...]:
     return (True, False) if one_token_variant_differs(num_tokens) else (True,)
 
 
-class PrefillGraphs:
+class PrefillGraphs(_GraphedSteps):
     """Steps that are not all decodes (prefill chunks, alone or beside decodes) of up to
     `max_tokens` tokens, replayed from CUDA graphs: eager, such a step is bound by the host's
     launches (hundreds of kernels, about 1 ms of host time per layer) while its kernels take a
@@ -182,66 +243,24 @@ class PrefillGraphs:
         pad_slot: int,
         device: torch.device,
     ) -> None:
-        self.model = model
-        self.lora_pool = lora_pool
-        self.kv_caches = kv_caches
-        self.block_size = block_size
+        super().__init__(model, lora_pool, kv_caches, max_tokens, min(max_tokens, max_seqs),
+                         min(max_tokens, lora_pool.num_slots), max_blocks_per_seq, block_size,
+                         pad_slot, device)
         self.max_seqs = max_seqs
         self.buckets = [b for b in PREFILL_BUCKETS if b < max_tokens] + [max_tokens]
-        m, s = max_tokens, min(max_tokens, max_seqs)
-        i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(m, **i64)
-        self.positions = torch.zeros(m, **i64)
-        self.slot_mapping = torch.full((m,), pad_slot, **i64)
-        self.pad_slot = pad_slot
-        self.block_table = torch.zeros(s, max_blocks_per_seq, **i32)
-        self.ctx_lens = torch.zeros(s, **i32)
-        self.q_starts = torch.zeros(s + 1, **i32)
-        n = min(max_tokens, lora_pool.num_slots)
-        self.seg_indptr = torch.zeros(n + 1, **i32)
-        self.seg_slots = torch.zeros(n, **i32)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
-    def bucket_for(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+    def _shape(self, b: int) -> tuple[int, int]:
+        """Sequences and segments of bucket `b`: each feeds at least one token."""
+        return min(b, self.max_seqs), min(b, self.lora_pool.num_slots)
 
-    def _seqs(self, b: int) -> int:
-        return min(b, self.max_seqs)  # every sequence of a step feeds at least one token
-
-    def _segments(self, b: int) -> int:
-        return min(b, self.lora_pool.num_slots)
-
-    def _context(self, b: int) -> StepContext:
-        s, n = self._seqs(b), self._segments(b)
-        attn = AttentionBatch(  # host lists: shapes only (the kernel reads the tensors)
-            q_starts=[*range(s), b],
-            ctx_lens=[1] * (s - 1) + [b - s + 1],
-            slot_mapping=self.slot_mapping[:b],
-            block_table=self.block_table[:s],
-            ctx_lens_t=self.ctx_lens[:s],
-            q_starts_t=self.q_starts[: s + 1],
-            block_size=self.block_size,
-            sliding_window=self.model.spec.sliding_window,
-        )
-        pool = self.lora_pool
-        lora = SgmvBatch(
-            seg_starts=list(range(n)),
-            seg_ends=list(range(1, n + 1)),
-            seg_slots_host=[0] * n,
-            seg_indptr=self.seg_indptr[: n + 1],
-            seg_slots=self.seg_slots[:n],
-            slot_ranks=pool.ranks,
-            slot_scalings=pool.scalings,
-            slot_ranks_host=tuple(pool.ranks_host),
-            slot_scalings_host=tuple(pool.scalings_host),
-            num_tokens=b,
-            one_token_segments=False,
-        )
+    def _prefill_context(self, b: int) -> StepContext:
         from kernels.attention_triton import paged_prefill_attention  # serves decode rows too
 
-        return StepContext(attn, lora, self.kv_caches, pool, paged_prefill_attention)
+        s, k = self._shape(b)
+        return self._context(b, s, k, [*range(s), b], [1] * (s - 1) + [b - s + 1], False,
+                             paged_prefill_attention)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -253,13 +272,9 @@ class PrefillGraphs:
         pool = torch.cuda.graph_pool_handle()
         last = len(model.layers) - 1
         for b in sorted(self.buckets, reverse=True):
-            ctx = self._context(b)
+            ctx = self._prefill_context(b)
             ids, positions = self.input_ids[:b], self.positions[:b]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compile kernels and settle allocations first
-                model(ids, positions, ctx)
-            torch.cuda.current_stream().wait_stream(side)
+            self._settle(b, ctx)
             pieces = []
             x = None
             for i, layer in enumerate(model.layers):
@@ -275,32 +290,10 @@ class PrefillGraphs:
             self.hidden[b] = x
         torch.cuda.synchronize()
 
-    def stage_step(
-        self,
-        stage: HostStaging,
-        ids: list[int],
-        positions: list[int],
-        slot_mapping: list[int],
-        q_starts: list[int],
-        tables: list[list[int]],
-        ctx_lens: list[int],
-        seg_lens: list[int],
-        seg_slots: list[int],
-    ) -> int:
+    def stage_step(self, stage: HostStaging, step: FlatStep) -> int:
         """Copy a step's metadata into the static buffers (non-blocking); returns its bucket."""
-        n = len(ids)
-        b = self.bucket_for(n)
-        s = self._seqs(b)
-        pad = b - n
-        stage.copy_into(self.input_ids[:b], ids + [0] * pad, torch.int64)
-        stage.copy_into(self.positions[:b], positions + [0] * pad, torch.int64)
-        stage.copy_into(self.slot_mapping[:b], slot_mapping + [self.pad_slot] * pad, torch.int64)
-        spare = s - len(ctx_lens)
-        stage.copy_into(self.q_starts[: s + 1], q_starts + [n] * spare, torch.int32)
-        stage.copy_into(self.ctx_lens[:s], ctx_lens + [0] * spare, torch.int32)
-        _copy_block_tables(stage, self.block_table, tables)
-        k = self._segments(b)
-        _copy_segments(stage, self.seg_indptr[: k + 1], self.seg_slots[:k], seg_lens, seg_slots)
+        b = self.bucket_for(step.num_tokens)
+        self._stage(stage, step, b, *self._shape(b), q_starts=True)
         return b
 
     def replay(
@@ -315,30 +308,3 @@ class PrefillGraphs:
                     stream.wait_event(event)
             graph.replay()
         return self.hidden[b][:n]
-
-
-def _copy_block_tables(stage: HostStaging, buf: torch.Tensor, tables: list[list[int]]) -> None:
-    """The real sequences' block tables into the first rows of `buf`, as wide as the longest:
-    attention reads no block past a sequence's context, and spare rows have a context of 0,
-    so stale values elsewhere are never read. (Padding every row to the buffer's width costs
-    the host about a millisecond a step at 64 sequences of an 8k-token max_model_len.)"""
-    width = max(len(t) for t in tables)
-    rows = [t + [0] * (width - len(t)) for t in tables]
-    stage.copy_into(buf[: len(tables), :width], rows, torch.int32)
-
-
-def _copy_segments(
-    stage: HostStaging,
-    indptr: torch.Tensor,
-    slots: torch.Tensor,
-    seg_lens: list[int],
-    seg_slots: list[int],
-) -> None:
-    """Segment bounds and slots into static buffers; spare segments are empty."""
-    bounds, pos = [0], 0
-    for length in seg_lens:
-        pos += length
-        bounds.append(pos)
-    bounds += [pos] * (indptr.numel() - len(bounds))
-    stage.copy_into(indptr, bounds, torch.int32)
-    stage.copy_into(slots, seg_slots + [0] * (slots.numel() - len(seg_slots)), torch.int32)

@@ -10,6 +10,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,32 @@ CPU_KV_CACHE_BYTES = 1 << 30
 # specializations (1, multiples of 16, others) and the largest step, so that kernels compile
 # before the first request instead of stalling it.
 WARM_UP_TOKENS = (2, 16, 17, 100, 128, 129, 300, 512, 513, 1000, 2048)
+
+
+@dataclass(frozen=True)
+class FlatStep:
+    """One step's tokens laid out flat: per token (`ids`, `positions`, `slot_mapping`: flat KV
+    cache index), per sequence (`q_starts` [B+1] offsets of its new tokens, `ctx_lens`,
+    `tables`: KV blocks) and per LoRA segment (`seg_lens`, `seg_slots`: adapter tokens first,
+    grouped by slot)."""
+
+    ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    q_starts: list[int]
+    ctx_lens: list[int]
+    tables: list[list[int]]
+    seg_lens: list[int]
+    seg_slots: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def table_rows(self) -> list[list[int]]:
+        """Block tables padded with zeros to the longest: nothing reads past a context."""
+        width = max(len(t) for t in self.tables)
+        return [t + [0] * (width - len(t)) for t in self.tables]
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -108,30 +135,20 @@ class ModelRunner:
             and self.attention_backend == "triton"
             and self.lora_pool.backend == "triton"
         ):
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.lora_pool,
-                self.kv_caches,
-                self.attention,
-                max_batch=config.max_num_seqs,
+            shared = dict(
                 max_blocks_per_seq=blocks_for(max_model_len, config.block_size),
                 block_size=config.block_size,
                 pad_slot=self.pad_slot,
                 device=self.device,
             )
+            self.graphs = DecodeGraphs(self.model, self.lora_pool, self.kv_caches,
+                                       self.attention, max_batch=config.max_num_seqs, **shared)
             self.graphs.capture()
             max_tokens = min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
             if max_tokens > 0:
                 self.prefill_graphs = PrefillGraphs(
-                    self.model,
-                    self.lora_pool,
-                    self.kv_caches,
-                    max_tokens=max_tokens,
-                    max_seqs=config.max_num_seqs,
-                    max_blocks_per_seq=blocks_for(max_model_len, config.block_size),
-                    block_size=config.block_size,
-                    pad_slot=self.pad_slot,
-                    device=self.device,
+                    self.model, self.lora_pool, self.kv_caches, max_tokens=max_tokens,
+                    max_seqs=config.max_num_seqs, **shared,
                 )
                 self.prefill_graphs.capture()
         self._generators: dict[str, torch.Generator] = {}
@@ -198,17 +215,16 @@ class ModelRunner:
                     q_starts.append(q_starts[-1] + length)
                 segments = lengths[:num_slots]
                 self.staging.reset()  # no readback here: the last pass's copies are fenced
-                self._forward(
-                    self.staging,
-                    [0] * n,
-                    positions,
-                    [self.pad_slot] * n,
-                    q_starts,
-                    lengths,
-                    [[pad_block] * blocks_for(length, bs) for length in lengths],
-                    segments,
-                    list(range(len(segments))),
-                )
+                self._forward(self.staging, FlatStep(
+                    ids=[0] * n,
+                    positions=positions,
+                    slot_mapping=[self.pad_slot] * n,
+                    q_starts=q_starts,
+                    ctx_lens=lengths,
+                    tables=[[pad_block] * blocks_for(length, bs) for length in lengths],
+                    seg_lens=segments,
+                    seg_slots=list(range(len(segments))),
+                ))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # start-up, not a step: the staging is reused
 
@@ -253,7 +269,9 @@ class ModelRunner:
                 else:
                     seg_lens.append(seq.num_new_tokens)
                     seg_slots.append(req.slot)
-        num_tokens = len(ids)
+        step = FlatStep(ids, positions, slot_mapping, q_starts, ctx_lens, tables, seg_lens,
+                        seg_slots)
+        num_tokens = step.num_tokens
         stage = self.staging
         stage.reset()  # free: the previous step's readback waited for its copies
         graphs, prefill = self.graphs, self.prefill_graphs
@@ -262,20 +280,11 @@ class ModelRunner:
                 stream = torch.cuda.current_stream(self.device)
                 for event in layer_waits[-1]:
                     stream.wait_event(event)
-            hidden = graphs.run(
-                stage, ids, positions, slot_mapping, tables, ctx_lens, seg_lens, seg_slots
-            )
+            hidden = graphs.run(stage, step)
         elif prefill is not None and prefill.bucket_for(num_tokens):
-            b = prefill.stage_step(
-                stage, ids, positions, slot_mapping, q_starts, tables, ctx_lens, seg_lens,
-                seg_slots,
-            )
-            hidden = prefill.replay(b, num_tokens, layer_waits)
+            hidden = prefill.replay(prefill.stage_step(stage, step), num_tokens, layer_waits)
         else:
-            hidden = self._forward(
-                stage, ids, positions, slot_mapping, q_starts, ctx_lens, tables, seg_lens,
-                seg_slots, layer_waits,
-            )
+            hidden = self._forward(stage, step, layer_waits)
         rows = [k for k, i in enumerate(order) if seqs[i].samples]
         if not rows:
             self.last_launch_s = time.monotonic() - started
@@ -300,37 +309,32 @@ class ModelRunner:
     def _forward(
         self,
         stage: HostStaging,
-        ids: list[int],
-        positions: list[int],
-        slot_mapping: list[int],
-        q_starts: list[int],
-        ctx_lens: list[int],
-        tables: list[list[int]],
-        seg_lens: list[int],
-        seg_slots: list[int],
+        step: FlatStep,
         layer_waits: list[list[torch.cuda.Event]] | None = None,
     ) -> torch.Tensor:
         """The eager forward pass over any mix of prefill chunks and decodes."""
-        width = max(len(t) for t in tables)
         attn = AttentionBatch(
-            q_starts=q_starts,
-            ctx_lens=ctx_lens,
-            slot_mapping=stage.tensor(slot_mapping, torch.int64),
-            block_table=stage.tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
-            ctx_lens_t=stage.tensor(ctx_lens, torch.int32),
-            q_starts_t=stage.tensor(q_starts, torch.int32),
+            q_starts=step.q_starts,
+            ctx_lens=step.ctx_lens,
+            slot_mapping=stage.tensor(step.slot_mapping, torch.int64),
+            block_table=stage.tensor(step.table_rows(), torch.int32),
+            ctx_lens_t=stage.tensor(step.ctx_lens, torch.int32),
+            q_starts_t=stage.tensor(step.q_starts, torch.int32),
             block_size=self.config.block_size,
             sliding_window=self.spec.sliding_window,
         )
         ctx = StepContext(
             attn=attn,
-            lora=self.lora_pool.make_batch(seg_lens, seg_slots, len(ids), stage.tensor),
+            lora=self.lora_pool.make_batch(
+                step.seg_lens, step.seg_slots, step.num_tokens, stage.tensor
+            ),
             kv_caches=self.kv_caches,
             lora_pool=self.lora_pool,
             attention=self.attention,
             layer_waits=layer_waits,
         )
-        return self.model(stage.tensor(ids, torch.int64), stage.tensor(positions, torch.int64), ctx)
+        ids = stage.tensor(step.ids, torch.int64)
+        return self.model(ids, stage.tensor(step.positions, torch.int64), ctx)
 
     def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:
         req = seq.request

@@ -46,22 +46,41 @@ def test_packed_write_equals_module_write_on_the_load_stream(tmp_path):
         assert torch.equal(got[1], want[1])
 
 
-def test_requests_admitted_during_copies_match_peft(tmp_path, monkeypatch):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    # Every copy counts as longer than a step: requests wait for their adapters' middle layers.
-    monkeypatch.setattr(manager_module, "COPY_BYTES_PER_S", 1.0)
+def churning_engine(tmp_path, count: int, seed: int) -> tuple[Engine, dict]:
+    """A small model on the GPU with `count` rank-8 adapters over 2 slots."""
     model_dir = make_model(tmp_path / "m", hidden_size=256, intermediate_size=512, num_heads=8,
                            num_kv_heads=2)
     adapters = {
         f"a{i}": make_adapter(model_dir, tmp_path / f"a{i}", rank=8, lora_alpha=16,
-                              target_modules=ALL, seed=10 + i)
-        for i in range(4)
+                              target_modules=ALL, seed=seed + i)
+        for i in range(count)
     }
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", num_kv_blocks=128,
                                  max_loras_per_batch=2, max_lora_rank=8,
                                  adapters=tuple((k, str(v)) for k, v in adapters.items())))
+    return engine, adapters
+
+
+def peft_greedy(model_dir, adapters: dict, max_new_tokens: int) -> dict[str, list[int]]:
+    """Each adapter's greedy continuation of PROMPT under transformers + PEFT in bf16."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    want = {}
+    for name, path in adapters.items():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+        model = PeftModel.from_pretrained(base, path).eval()
+        with torch.no_grad():
+            out = model.generate(torch.tensor([PROMPT]).cuda(), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False)
+        want[name] = out[0, len(PROMPT):].tolist()
+    return want
+
+
+def test_requests_admitted_during_copies_match_peft(tmp_path, monkeypatch):
+    # Every copy counts as longer than a step: requests wait for their adapters' middle layers.
+    monkeypatch.setattr(manager_module, "COPY_BYTES_PER_S", 1.0)
+    engine, adapters = churning_engine(tmp_path, 4, seed=10)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.add_request(Request("a0", PROMPT, params, "a0"))
     engine.step()  # a0 runs; the others arrive while it does and need copies
@@ -71,30 +90,14 @@ def test_requests_admitted_during_copies_match_peft(tmp_path, monkeypatch):
     while engine.has_work:
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-    for name, path in adapters.items():
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-        model = PeftModel.from_pretrained(base, path).eval()
-        with torch.no_grad():
-            out = model.generate(torch.tensor([PROMPT]).cuda(), max_new_tokens=6,
-                                 min_new_tokens=6, do_sample=False)
+    want = peft_greedy(engine.config.model, adapters, 6)
+    for name in adapters:
         # bf16 rounding may flip a near-tie late in the sequence; the first tokens must agree.
-        assert tokens[name][:3] == out[0, len(PROMPT):].tolist()[:3], name
+        assert tokens[name][:3] == want[name][:3], name
 
 
 def test_requests_arriving_mid_step_match_peft(tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model_dir = make_model(tmp_path / "m", hidden_size=256, intermediate_size=512, num_heads=8,
-                           num_kv_heads=2)
-    adapters = {
-        f"a{i}": make_adapter(model_dir, tmp_path / f"a{i}", rank=8, lora_alpha=16,
-                              target_modules=ALL, seed=20 + i)
-        for i in range(5)
-    }
-    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", num_kv_blocks=128,
-                                 max_loras_per_batch=2, max_lora_rank=8,
-                                 adapters=tuple((k, str(v)) for k, v in adapters.items())))
+    engine, adapters = churning_engine(tmp_path, 5, seed=20)
     for name in adapters:  # in host memory, so every load is a copy on the load stream
         while not engine.adapters.prepare(name):
             time.sleep(0.005)
@@ -116,14 +119,7 @@ def test_requests_arriving_mid_step_match_peft(tmp_path):
         if not engine.has_work and arrivals:
             engine.add_request(arrivals.pop(0))
     assert engine.adapters.stats.prefetch_loads >= 3  # loads did start during steps
-    want = {}
-    for name, path in adapters.items():
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-        model = PeftModel.from_pretrained(base, path).eval()
-        with torch.no_grad():
-            out = model.generate(torch.tensor([PROMPT]).cuda(), max_new_tokens=6,
-                                 min_new_tokens=6, do_sample=False)
-        want[name] = out[0, len(PROMPT):].tolist()
+    want = peft_greedy(engine.config.model, adapters, 6)
     for i, name in enumerate(order):
         # bf16 rounding may flip a near-tie late in the sequence; the first tokens must agree.
         assert tokens[f"r{i}"][:3] == want[name][:3], (i, name)

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 from replicas.adapters.loader import load_adapter  # noqa: E402
 from replicas.config import EngineConfig  # noqa: E402
 from replicas.cuda_graphs import PrefillGraphs  # noqa: E402
-from replicas.model_runner import ModelRunner  # noqa: E402
+from replicas.model_runner import FlatStep, ModelRunner  # noqa: E402
 from replicas.models.spec import ModelSpec  # noqa: E402
 from tests.factories import make_adapter, make_model  # noqa: E402
 
@@ -62,9 +62,10 @@ def test_the_padded_graph_step_gives_the_eager_steps_rows(tmp_path):
     assert graphs.buckets == [16, 32]
 
     def padded(meta):
-        b = graphs.stage_step(runner.staging, **meta)
+        b = graphs.stage_step(runner.staging, FlatStep(**meta))
         with torch.inference_mode():
-            out = runner.model(graphs.input_ids[:b], graphs.positions[:b], graphs._context(b))
+            out = runner.model(graphs.input_ids[:b], graphs.positions[:b],
+                               graphs._prefill_context(b))
         return b, out[: len(meta["ids"])]
 
     # A larger step first leaves stale values in every static buffer past the next step's.
@@ -77,16 +78,13 @@ def test_the_padded_graph_step_gives_the_eager_steps_rows(tmp_path):
     b, got = padded(meta)
     assert b == 16
     with torch.inference_mode():
-        want = runner._forward(runner.staging, meta["ids"], meta["positions"],
-                               meta["slot_mapping"], meta["q_starts"], meta["ctx_lens"],
-                               meta["tables"], meta["seg_lens"], meta["seg_slots"])
+        want = runner._forward(runner.staging, FlatStep(**meta))
     assert got.isfinite().all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # And the adapters mattered: without them the rows differ.
     with torch.inference_mode():
-        base = runner._forward(runner.staging, meta["ids"], meta["positions"],
-                               meta["slot_mapping"], meta["q_starts"], meta["ctx_lens"],
-                               meta["tables"], [], [])
+        base = runner._forward(runner.staging, FlatStep(**{**meta, "seg_lens": [],
+                                                             "seg_slots": []}))
     assert not torch.allclose(base[:10], want[:10], atol=1e-3)
 
 
@@ -101,7 +99,7 @@ def test_warm_up_skips_graph_sizes_but_covers_both_specializations_above(tmp_pat
         max_blocks_per_seq=16, block_size=BS, pad_slot=runner.pad_slot,
         device=torch.device("cpu"))
     sizes = []
-    runner._forward = lambda stage, ids, *rest: sizes.append(len(ids))
+    runner._forward = lambda stage, step: sizes.append(step.num_tokens)
     runner.warm_up(max_tokens=512, max_model_len=64)
     assert min(sizes) == 129 and max(sizes) == 512  # nothing the graphs cover
     assert {n % 16 == 0 for n in sizes} == {True, False}

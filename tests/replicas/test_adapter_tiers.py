@@ -255,7 +255,8 @@ def land(events) -> None:
         e.done = True
 
 
-def test_copy_settled_counts_the_copies_queued_ahead(models, fleet, monkeypatch):
+def two_copies_in_flight(models, fleet, monkeypatch):
+    """ad1's copy, then ad2's behind it, both pending: (manager, their events, their sizes)."""
     engine = fleet_engine(models, fleet, max_loras_per_batch=3)
     manager = engine.adapters
     copies = record_copies(engine, monkeypatch)
@@ -265,6 +266,11 @@ def test_copy_settled_counts_the_copies_queued_ahead(models, fleet, monkeypatch)
     size = {n: manager.host.peek(n).nbytes for n in ("ad1", "ad2")}
     manager.acquire("ad1")
     manager.acquire("ad2")
+    return manager, copies, size
+
+
+def test_copy_settled_counts_the_copies_queued_ahead(models, fleet, monkeypatch):
+    manager, copies, size = two_copies_in_flight(models, fleet, monkeypatch)
     assert len(copies) == 2
     # Each copy alone fits the window; the second behind the first does not.
     manager.step_time_s = max(size.values()) * 1.01 / (manager_mod.COPY_STEPS
@@ -286,15 +292,7 @@ def test_copy_settled_counts_the_copies_queued_ahead(models, fleet, monkeypatch)
 def test_copy_settled_counts_only_the_layers_still_to_land(models, fleet, monkeypatch):
     """A copy started during the previous step is partly there: admission counts the layers
     not yet landed (they land in order), its own and those of the copies ahead of it."""
-    engine = fleet_engine(models, fleet, max_loras_per_batch=3)
-    manager = engine.adapters
-    copies = record_copies(engine, monkeypatch)
-    for name in ("ad1", "ad2"):
-        while not manager.prepare(name):
-            time.sleep(0.005)
-    size = {n: manager.host.peek(n).nbytes for n in ("ad1", "ad2")}
-    manager.acquire("ad1")
-    manager.acquire("ad2")
+    manager, copies, size = two_copies_in_flight(models, fleet, monkeypatch)
     layers = len(copies[0])
     assert layers >= 2
     rest = size["ad1"] * (layers - 1) // layers  # of ad1, once its first layer landed
