@@ -106,3 +106,8 @@ def test_warm_up_skips_graph_sizes_but_covers_both_specializations_above(tmp_pat
     sizes.clear()
     runner.warm_up(max_tokens=128, max_model_len=64)  # every size is a graph's
     assert sizes == []
+
+
+def test_a_negative_prefill_graph_bound_is_refused():
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens must be at least 0"):
+        EngineConfig(model="m", max_prefill_graph_tokens=-1)
