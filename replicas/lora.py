@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 from kernels.sgmv import SgmvBatch, get_backend
+from replicas.adapters.host_threads import parallel
 from replicas.adapters.loader import AdapterFile, AdapterWeights
 from replicas.models.spec import ModelSpec
 
@@ -140,9 +141,9 @@ class LoraWeightPool:
               ranks: list[int]) -> AdapterWeights | None:
         """Pinned buffers, one per layer, each the slot's image: every group's A, then the
         rank-major B matrix [R, width]. From `parts` (uint8 A and B per module, as in the file)
-        and zeros, three torch ops a layer on the calling (reader) thread: one `torch.cat` of the
-        A runs, one of the B blocks in the file's order ([width, R]) and one blocked transpose
-        into place (about 4 ms a layer at rank 128 on one core, off the step loop). None when
+        and zeros, three torch ops a layer: one `torch.cat` of the A runs, one of the B blocks in
+        the file's order ([width, R]) and one transpose into place (about 4 ms a layer at rank
+        128 on one core), the layers spread over the host threads, off the step loop. None when
         packing does not pay."""
         elem = self.layers[0].element_size()
         packed_bytes = self.spec.num_layers * self.slot_elems * elem
@@ -170,15 +171,17 @@ class LoraWeightPool:
         per_layer = len(order) // self.spec.num_layers
         num_a = sum(len(targets) for targets in LORA_GROUPS.values())  # A chunks lead a layer
         a_bytes = self.a_elems * elem
-        b_file = torch.empty(self.b_width, R, dtype=self.dtype)  # a layer's B as in the file
-        layers = []
-        for layer in range(self.spec.num_layers):
+
+        def pack_layer(layer: int) -> torch.Tensor:  # on a host thread (torch releases the GIL)
             chunks = order[layer * per_layer : (layer + 1) * per_layer]
             buf = torch.empty(self.slot_elems * elem, dtype=torch.uint8, pin_memory=pin)
+            b_file = torch.empty(self.b_width, R, dtype=self.dtype)  # the layer's B as in the file
             torch.cat(chunks[:num_a], out=buf[:a_bytes])
             torch.cat(chunks[num_a:], out=b_file.view(-1).view(torch.uint8))
             buf[a_bytes:].view(self.dtype).view(R, self.b_width).copy_(b_file.t())
-            layers.append(buf)
+            return buf
+
+        layers = parallel(pack_layer, range(self.spec.num_layers))
         return AdapterWeights(name, rank, scaling, {}, tuple(layers))
 
     def write(

@@ -83,6 +83,21 @@ class TestValidation:
         for key, (a, b) in want.items():
             assert torch.equal(got[key][0], a) and torch.equal(got[key][1], b)
 
+    def test_a_file_read_in_ranges_gives_the_same_weights(self, models, good_adapter,
+                                                           monkeypatch):
+        """Large files are read in ranges on several threads: the ranges must tile the file."""
+        from replicas.adapters import loader
+
+        spec = ModelSpec.from_dir(models["llama"])
+        want = load_adapter("g", good_adapter, spec, 16).modules
+        size = (good_adapter / "adapter_model.safetensors").stat().st_size
+        monkeypatch.setattr(loader, "HOST_THREADS", 8)
+        monkeypatch.setattr(loader, "READ_CHUNK", size // 5 + 3)  # 5 ranges, the last short
+        got = load_adapter("g", good_adapter, spec, 16).modules
+        assert got.keys() == want.keys()
+        for key, (a, b) in want.items():
+            assert torch.equal(got[key][0], a) and torch.equal(got[key][1], b)
+
     @pytest.mark.parametrize("damage", ["shape", "offsets", "entry"])
     def test_inconsistent_header_is_unreadable(self, models, good_adapter, tmp_path, damage):
         path = broken_copy(good_adapter, tmp_path, f"header-{damage}")
