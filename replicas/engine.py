@@ -166,7 +166,8 @@ class Engine:
         """Run one step. `on_idle()`, if given, runs while the host waits for the step's device
         work (repeatedly, every few hundred microseconds) and may `add_request` or
         `prefetch_hint`: in prefetch mode, the adapters they name start loading during the step,
-        not at the next one (a server passes its inbox here)."""
+        not at the next one (a server passes its inbox here). Disk reads that finish while the
+        step runs start their copies then too."""
         if self.adapters.retired:  # unloaded while in use: drop once its last request is done
             in_use = {r.adapter for r in self.scheduler.requests()}
             for name in [n for n in self.adapters.retired if n not in in_use]:
@@ -203,8 +204,8 @@ class Engine:
                 marked = True
             if on_idle is not None:
                 on_idle()
-            if poll and self._intake != self._ticked_intake:
-                self._tick_adapters()
+            if poll and (self._intake != self._ticked_intake or self.adapters.read_finished()):
+                self._tick_adapters()  # new needs, or a read whose copy can start now
             return poll
 
         tokens = self.runner.execute(sched.seqs, layer_waits, while_running)

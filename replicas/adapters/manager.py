@@ -277,6 +277,10 @@ class AdapterManager:
         if self.mode == "prefetch":
             self.queue.hint(adapter, due)
 
+    def read_finished(self) -> bool:
+        """A disk read is done and not yet collected (a look at the futures; never waits)."""
+        return any(future.done() for future in self._reads.values())
+
     def tick(self, waiting: list[tuple[str, float]], now: float | None = None) -> None:
         """Once per step, before scheduling: collect finished reads, then (prefetch mode) queue
         the waiting requests' adapters, start disk reads for the soonest needs and start the GPU

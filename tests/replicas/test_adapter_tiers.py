@@ -391,6 +391,43 @@ def test_requests_added_while_a_step_runs_start_loading_in_it(models, fleet, mod
     assert stats.hits == hits + (mode == "prefetch")  # admitted into the slot loaded mid-step
 
 
+def test_a_disk_read_that_finishes_during_a_step_starts_its_copy_in_it(models, fleet):
+    """Nothing new arrives, but a waiting request's disk read completes while a step runs: its
+    copy starts then (prefetch mode), not at the next step boundary."""
+    engine = fleet_engine(models, fleet, max_loras_per_batch=2)
+    manager = engine.adapters
+    gate, read = threading.Event(), manager._read
+
+    def gated_read(adapter, path):  # ad3's read ends when the test says
+        if adapter == "ad3":
+            assert gate.wait(30)
+        return read(adapter, path)
+
+    manager._read = gated_read
+    first = Request("a", PROMPTS[0], greedy(4), "ad0")
+    late = Request("b", PROMPTS[1], greedy(3), "ad3")
+    engine.add_request(first)
+    engine.add_request(late)
+    while not first.output_token_ids:  # ad0 read and loaded, "a" prefilled
+        engine.step()
+    reading = manager._reads.get("ad3")
+    assert reading is not None and not manager.is_resident("ad3")
+    intake = engine._intake
+
+    def on_idle():  # the read lands during this step
+        gate.set()
+        reading.result(timeout=30)
+
+    loads = manager.stats.prefetch_loads
+    engine.step(on_idle=on_idle)
+    assert engine._intake == intake  # no arrival: the finished read alone started the copy
+    assert manager.is_resident("ad3") and manager.stats.prefetch_loads == loads + 1
+    assert late in engine.scheduler.waiting
+    while engine.has_work:
+        engine.step()
+    assert late.output_token_ids == hf_greedy(models["llama"], PROMPTS[1], 3, fleet["ad3"])
+
+
 def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
     """The server's engine thread takes requests and prefetch hints while a step runs, but stops
     at the first other inbox item: that item and everything after it wait for the step's end,
