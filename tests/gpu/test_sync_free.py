@@ -1,6 +1,8 @@
 """Steady-state steps -- decodes, and prefills joining running decodes -- must not synchronize
 the host with the device, except for the one event wait that brings the sampled tokens back."""
 
+import time
+
 import pytest
 import torch
 
@@ -27,17 +29,31 @@ def engine_with_adapters(tmp_path, count: int, **config) -> tuple[Engine, list[s
     return engine, [name for name, _ in adapters]
 
 
+def step_until_all_sampled(engine: Engine, requests: list[Request], timeout_s: float = 60) -> None:
+    """Step until every request has a token: its adapter read from disk (on a worker thread,
+    however long that takes) and loaded, its prefill run, kernels warm."""
+    deadline = time.monotonic() + timeout_s
+    while not all(r.output_token_ids for r in requests):
+        assert time.monotonic() < deadline, "requests never got their first token"
+        engine.step()
+        if engine.stalled:
+            time.sleep(0.001)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
     engine, adapters = engine_with_adapters(tmp_path, 3)
     params = SamplingParams(max_tokens=64, temperature=temperature, top_p=0.9, top_k=50,
                             ignore_eos=True)
+    requests = []
     for i in range(6):
         adapter = None if i % 4 == 3 else adapters[i % 3]
         seed = i if i % 2 else None
         p = SamplingParams(**{**params.__dict__, "seed": seed})
-        engine.add_request(Request(f"r{i}", [5 + i, 6, 7, 8], p, adapter))
-    for _ in range(3):  # prefill and the first decodes: adapters load, caches warm up
+        requests.append(Request(f"r{i}", [5 + i, 6, 7, 8], p, adapter))
+        engine.add_request(requests[-1])
+    step_until_all_sampled(engine, requests)  # adapters loaded, prefills done
+    for _ in range(2):  # the first decodes: caches warm up
         engine.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -63,10 +79,11 @@ def test_prefill_steps_run_under_sync_debug_error(tmp_path, graph_tokens):
                                             max_prefill_graph_tokens=graph_tokens)
     assert (engine.runner.prefill_graphs is None) == (graph_tokens == 0)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    for i, name in enumerate(adapters):  # adapters resident, kernels warm
-        engine.add_request(Request(f"warm{i}", [5, 6, 7], params, name))
-    for _ in range(3):
-        engine.step()
+    warm = [Request(f"warm{i}", [5, 6, 7], params, name) for i, name in enumerate(adapters)]
+    for request in warm:
+        engine.add_request(request)
+    step_until_all_sampled(engine, warm)  # adapters resident, kernels warm
+    engine.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
