@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_adapter_read --out benchmarks/results        # GPU (pinned memory)
     python -m benchmarks.bench_adapter_read --rank 16 --reads 4             # CPU works too
+    python -m benchmarks.bench_adapter_read --smoke                         # tiny model, CPU
 
 The read path is what `AdapterManager` runs on its worker pool: `read_adapter_file` (one read of
 the file, header parse and checks) then `LoraWeightPool.pack_file` (the slot image, one pinned
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_churn import LLAMA3_8B, write_fleet
+from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.common import write_results
 from replicas.adapters.loader import WEIGHTS_FILE, read_adapter_file
 from replicas.lora import LoraWeightPool
@@ -77,11 +78,12 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reads", type=int, default=8, help="reads per measurement")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model: checks the script runs")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     root = Path(tempfile.mkdtemp(prefix="read-"))
     (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (root / "model" / "config.json").write_text(json.dumps(TINY if args.smoke else LLAMA3_8B))
     spec = ModelSpec.from_dir(root / "model")
     names = [f"a{i}" for i in range(4)]
     fleet = {k: Path(v) for k, v in write_fleet(root, spec, names, args.rank).items()}
@@ -130,7 +132,8 @@ def main() -> None:
         write_results(
             args.out,
             f"adapter_read_r{args.rank}",
-            f"Disk -> pinned host read of a rank-{args.rank} adapter, Llama-3-8B shape "
+            f"Disk -> pinned host read of a rank-{args.rank} adapter, "
+            f"{'tiny' if args.smoke else 'Llama-3-8B'} shape "
             f"({nbytes / 1e6:.0f} MB file, in the page cache)",
             "read_ms against file_read_ms (the file's bytes alone, same run): the rest is parse "
             "and pack; rows beside a step loop against the idle row: contention",

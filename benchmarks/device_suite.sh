@@ -8,6 +8,7 @@
 #   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
 #   bash benchmarks/device_suite.sh copy-overlap                 # load-stream copies vs the step;
 #                                                                #   host time of an adapter write
+#   bash benchmarks/device_suite.sh adapter-read                 # disk -> pinned host read phases
 #   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
 #   bash benchmarks/device_suite.sh churn-256                    #   (run each alone)
@@ -59,6 +60,10 @@ for s in "$@"; do
         decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
         prefill) stage prefill 240 python -m benchmarks.bench_prefill_step --profile --out "$OUT" ;;
         copy-overlap) stage copy-overlap 180 python -m benchmarks.bench_copy_overlap --out "$OUT" ;;
+        adapter-read)  # ranks 16 and 128: about 20 s and 60 s on an H100 host
+            stage adapter-read-r16 120 python -m benchmarks.bench_adapter_read --rank 16 --out "$OUT"
+            stage adapter-read-r128 200 python -m benchmarks.bench_adapter_read --rank 128 \
+                --out "$OUT" ;;
         sgmv-quick) stage sgmv-quick 150 python -m benchmarks.bench_sgmv --quick --out "$OUT" ;;
         sgmv-variants) stage sgmv-variants 240 python -m benchmarks.bench_sgmv --quick --variants \
             --out "$OUT" ;;
