@@ -54,6 +54,11 @@ SHORT_COPY_S = 0.005
 COPY_STEPS = 2.0
 COPY_BYTES_PER_S = 50e9  # pinned host -> GPU over PCIe 5 (about 55 GB/s measured on an H100)
 HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it was due is dropped
+# Disk reads running at once. One read already spreads its file ranges and layers over the host
+# threads (adapters/host_threads.py), and reads at once share the host's memory bandwidth (on an
+# H100 host four rank-16 reads took 117 ms each, one alone 32 ms: benchmarks/bench_adapter_read),
+# so more readers only delay the soonest need. Reads wait their turn in the prefetch queue's order.
+READ_WORKERS = 1
 
 
 @dataclass
@@ -94,7 +99,7 @@ class AdapterManager:
         self, spec: ModelSpec, weights: LoraWeightPool, max_lora_rank: int,
         adapters: dict[str, str], adapter_root: str | None, max_loaded_loras: int,
         dtype: torch.dtype, mode: str = "prefetch", pinned: tuple[str, ...] = (),
-        read_workers: int = 4, eviction_policy: str = "lru",
+        read_workers: int = READ_WORKERS, eviction_policy: str = "lru",
         max_loaded_bytes: int | None = None,
     ) -> None:
         if mode not in LOADING_MODES:
@@ -117,6 +122,7 @@ class AdapterManager:
         self.stats = AdapterStats()
         self.on_cuda = weights.device.type == "cuda"
         self._stream = torch.cuda.Stream(weights.device) if self.on_cuda else None
+        self.read_workers = read_workers
         self._pool = ThreadPoolExecutor(read_workers, thread_name_prefix="lora-read")
         self._reads: dict[str, Future[AdapterWeights]] = {}
         self._read_started: dict[str, float] = {}
@@ -366,12 +372,16 @@ class AdapterManager:
         return self.weights.pack_file(file) if self.on_cuda else file.to_weights(self.dtype)
 
     def _start_read(self, adapter: str) -> None:
+        """Start reading the adapter unless `read_workers` reads are running: then a later call
+        starts it (`tick` walks the needs soonest first; `prepare` retries every step)."""
         if adapter in self._reads:
             return
         try:
             path = self._path(adapter)
         except AdapterError as e:
             self._failed[adapter] = str(e)
+            return
+        if sum(not future.done() for future in self._reads.values()) >= self.read_workers:
             return
         self._read_started[adapter] = time.monotonic()
         self._reads[adapter] = self._pool.submit(self._read, adapter, path)

@@ -428,6 +428,34 @@ def test_a_disk_read_that_finishes_during_a_step_starts_its_copy_in_it(models, f
     assert late.output_token_ids == hf_greedy(models["llama"], PROMPTS[1], 3, fleet["ad3"])
 
 
+def test_disk_reads_run_one_at_a_time_soonest_need_first(models, fleet):
+    """Reads share the host's bandwidth, so they take turns, and a turn goes to the soonest
+    need, even one that showed up after the others."""
+    engine = fleet_engine(models, fleet)
+    manager = engine.adapters
+    assert manager.read_workers == 1
+    gate, read, started = threading.Event(), manager._read, []
+
+    def gated_read(adapter, path):
+        started.append(adapter)
+        assert gate.wait(30)
+        return read(adapter, path)
+
+    manager._read = gated_read
+    now = time.monotonic()
+    manager.tick([("ad2", now + 3.0), ("ad1", now + 1.0)], now=now)
+    manager.tick([("ad0", now + 0.5)], now=now)  # sooner than ad2, but ad1's read has begun
+    assert set(manager._reads) == {"ad1"}
+    gate.set()
+    deadline = time.monotonic() + 30
+    while len(started) < 3 or manager._reads:
+        assert time.monotonic() < deadline, started
+        manager.tick([], now=now)
+        time.sleep(0.001)
+    assert started == ["ad1", "ad0", "ad2"]
+    assert all(manager.status()[name]["tier"] in ("gpu", "host") for name in started)
+
+
 def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
     """The server's engine thread takes requests and prefetch hints while a step runs, but stops
     at the first other inbox item: that item and everything after it wait for the step's end,
