@@ -202,13 +202,30 @@ class AdapterFile:
 
 
 READ_CHUNK = 8 << 20  # a file is read in ranges of at least this many bytes, in parallel
+HEADER_ALLOWANCE = 64 << 20  # room for a safetensors header in `max_file_bytes`
 
 
-def _read_bytes(path: Path) -> np.ndarray:
+class FileTooLarge(ValueError):
+    pass
+
+
+def max_file_bytes(spec: ModelSpec, max_lora_rank: int) -> int:
+    """The largest weights file a servable adapter of this model can have: every projection of
+    every layer at `max_lora_rank` in float64, plus a generous header. Anything larger holds
+    other weights, and is refused before it is read into memory."""
+    per_layer = sum(max_lora_rank * sum(spec.lora_dims(target)) for target in LORA_TARGETS)
+    return spec.num_layers * per_layer * 8 + HEADER_ALLOWANCE
+
+
+def _read_bytes(path: Path, max_bytes: int | None = None) -> np.ndarray:
     """The whole file, read in ranges on the host threads (the GIL released in each read)."""
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise FileTooLarge(f"{size} bytes, above the {max_bytes} any LoRA adapter of this "
+                               "model within max_lora_rank can take; does it hold other "
+                               "weights, such as embeddings?")
         data = np.empty(size, dtype=np.uint8)
         step = max(READ_CHUNK, -(-size // HOST_THREADS))
 
@@ -225,9 +242,12 @@ def _read_bytes(path: Path) -> np.ndarray:
     return data
 
 
-def _read_safetensors(path: Path) -> tuple[torch.Tensor, dict[str, TensorEntry]]:
-    """The file's bytes and its tensor table; ValueError or OSError if it is not safetensors."""
-    data = _read_bytes(path)
+def _read_safetensors(
+    path: Path, max_bytes: int | None = None
+) -> tuple[torch.Tensor, dict[str, TensorEntry]]:
+    """The file's bytes and its tensor table; ValueError or OSError if it is not safetensors
+    (FileTooLarge, before reading, if it is larger than `max_bytes`)."""
+    data = _read_bytes(path, max_bytes)
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes, shorter than the header size field")
     header_len = int.from_bytes(data[:8].tobytes(), "little")
@@ -265,7 +285,10 @@ def read_adapter_file(
     """Read an adapter's weights and check every tensor's name, shape, dtype and rank."""
     config = read_adapter_config(path, max_lora_rank)
     try:
-        raw, entries = _read_safetensors(config.path / WEIGHTS_FILE)
+        raw, entries = _read_safetensors(config.path / WEIGHTS_FILE,
+                                         max_file_bytes(spec, max_lora_rank))
+    except FileTooLarge as e:
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is too large ({e})") from e
     except (OSError, ValueError) as e:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is unreadable ({e})") from e
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}

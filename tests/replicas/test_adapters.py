@@ -83,6 +83,25 @@ class TestValidation:
         for key, (a, b) in want.items():
             assert torch.equal(got[key][0], a) and torch.equal(got[key][1], b)
 
+    def test_a_file_larger_than_any_adapter_is_refused_unread(self, models, good_adapter,
+                                                               tmp_path, monkeypatch):
+        from replicas.adapters import loader
+
+        path = broken_copy(good_adapter, tmp_path, "huge")
+        spec = ModelSpec.from_dir(models["llama"])
+        limit = loader.max_file_bytes(spec, 16)
+        with open(path / "adapter_model.safetensors", "r+b") as f:
+            f.truncate(limit + 1)  # sparse: the header and weights, then a hole of zeros
+        with monkeypatch.context() as patch:
+            patch.setattr(loader.np, "empty", None)  # reading it into memory would fail here
+            with pytest.raises(AdapterError, match="too large.*embeddings"):
+                load_adapter("t", path, spec, 16)
+        with open(path / "adapter_model.safetensors", "r+b") as f:
+            f.truncate(limit)  # at the limit: read as usual (bytes past the tensors are unused)
+        want = load_adapter("g", good_adapter, spec, 16).modules
+        got = load_adapter("t", path, spec, 16).modules
+        assert all(torch.equal(got[k][1], b) for k, (_, b) in want.items())
+
     def test_a_file_read_in_ranges_gives_the_same_weights(self, models, good_adapter,
                                                            monkeypatch):
         """Large files are read in ranges on several threads: the ranges must tile the file."""
