@@ -59,6 +59,10 @@ HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it wa
 # H100 host four rank-16 reads took 117 ms each, one alone 32 ms: benchmarks/bench_adapter_read),
 # so more readers only delay the soonest need. Reads wait their turn in the prefetch queue's order.
 READ_WORKERS = 1
+# A read running longer than this no longer holds its turn, so a file on a hung file system
+# does not stop every other adapter's read; the pool keeps threads for such reads.
+READ_STALL_S = 5.0
+READ_THREADS = 4
 
 
 @dataclass
@@ -123,7 +127,8 @@ class AdapterManager:
         self.on_cuda = weights.device.type == "cuda"
         self._stream = torch.cuda.Stream(weights.device) if self.on_cuda else None
         self.read_workers = read_workers
-        self._pool = ThreadPoolExecutor(read_workers, thread_name_prefix="lora-read")
+        self._pool = ThreadPoolExecutor(max(read_workers, READ_THREADS),
+                                        thread_name_prefix="lora-read")
         self._reads: dict[str, Future[AdapterWeights]] = {}
         self._read_started: dict[str, float] = {}
         self._failed: dict[str, str] = {}
@@ -372,8 +377,9 @@ class AdapterManager:
         return self.weights.pack_file(file) if self.on_cuda else file.to_weights(self.dtype)
 
     def _start_read(self, adapter: str) -> None:
-        """Start reading the adapter unless `read_workers` reads are running: then a later call
-        starts it (`tick` walks the needs soonest first; `prepare` retries every step)."""
+        """Start reading the adapter unless `read_workers` reads are running (and not stalled,
+        READ_STALL_S): then a later call starts it (`tick` walks the needs soonest first;
+        `prepare` retries every step)."""
         if adapter in self._reads:
             return
         try:
@@ -381,9 +387,12 @@ class AdapterManager:
         except AdapterError as e:
             self._failed[adapter] = str(e)
             return
-        if sum(not future.done() for future in self._reads.values()) >= self.read_workers:
+        now = time.monotonic()
+        running = sum(not future.done() and now - self._read_started[name] < READ_STALL_S
+                      for name, future in self._reads.items())
+        if running >= self.read_workers:
             return
-        self._read_started[adapter] = time.monotonic()
+        self._read_started[adapter] = now
         self._reads[adapter] = self._pool.submit(self._read, adapter, path)
 
     def _collect(self, adapter: str) -> bool:

@@ -456,6 +456,34 @@ def test_disk_reads_run_one_at_a_time_soonest_need_first(models, fleet):
     assert all(manager.status()[name]["tier"] in ("gpu", "host") for name in started)
 
 
+def test_a_read_stuck_on_its_file_does_not_hold_the_others(models, fleet, monkeypatch):
+    """A file on a hung file system: once its read runs past READ_STALL_S, the next need's
+    read starts and completes beside it."""
+    monkeypatch.setattr(manager_mod, "READ_STALL_S", 0.2)
+    engine = fleet_engine(models, fleet)
+    manager = engine.adapters
+    hung, read = threading.Event(), manager._read
+
+    def stuck_read(adapter, path):
+        if adapter == "ad1":
+            assert hung.wait(30)
+        return read(adapter, path)
+
+    manager._read = stuck_read
+    try:
+        now = time.monotonic()
+        manager.tick([("ad1", now), ("ad2", now + 1.0)], now=now)
+        assert set(manager._reads) == {"ad1"}  # ad2 waits its turn...
+        deadline = time.monotonic() + 30
+        while manager.status()["ad2"]["tier"] not in ("gpu", "host"):
+            assert time.monotonic() < deadline
+            manager.tick([], now=now)
+            time.sleep(0.01)
+        assert not manager._reads["ad1"].done()  # ...until ad1's read counts as stuck
+    finally:
+        hung.set()
+
+
 def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
     """The server's engine thread takes requests and prefetch hints while a step runs, but stops
     at the first other inbox item: that item and everything after it wait for the step's end,
