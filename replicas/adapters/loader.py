@@ -217,12 +217,13 @@ def max_file_bytes(spec: ModelSpec, max_lora_rank: int) -> int:
     return spec.num_layers * per_layer * 8 + HEADER_ALLOWANCE
 
 
-def _read_bytes(path: Path, max_bytes: int | None = None) -> np.ndarray:
-    """The whole file, read in ranges on the host threads (the GIL released in each read)."""
+def _read_bytes(path: Path, max_bytes: int) -> np.ndarray:
+    """The whole file, read in ranges on the host threads (the GIL released in each read);
+    FileTooLarge, before reading, if it is larger than `max_bytes`."""
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
-        if max_bytes is not None and size > max_bytes:
+        if size > max_bytes:
             raise FileTooLarge(f"{size} bytes, above the {max_bytes} any LoRA adapter of this "
                                "model within max_lora_rank can take; does it hold other "
                                "weights, such as embeddings?")
@@ -243,10 +244,10 @@ def _read_bytes(path: Path, max_bytes: int | None = None) -> np.ndarray:
 
 
 def _read_safetensors(
-    path: Path, max_bytes: int | None = None
+    path: Path, max_bytes: int
 ) -> tuple[torch.Tensor, dict[str, TensorEntry]]:
     """The file's bytes and its tensor table; ValueError or OSError if it is not safetensors
-    (FileTooLarge, before reading, if it is larger than `max_bytes`)."""
+    or larger than `max_bytes`."""
     data = _read_bytes(path, max_bytes)
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes, shorter than the header size field")
