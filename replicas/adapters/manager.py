@@ -306,8 +306,8 @@ class AdapterManager:
             self.queue.hint(adapter, due)
         for adapter, _ in self.queue.ordered()[: self.host.capacity]:
             known = adapter in self.slots or adapter in self.host or adapter in self._failed
-            if not known:
-                self._start_read(adapter)
+            if not known and not self._start_read(adapter):
+                break  # no turn free: the later needs wait behind this one
         view = SlotView(
             free=self.slots.num_free,
             resident=tuple(self.slots.resident),
@@ -376,24 +376,25 @@ class AdapterManager:
             raise AdapterLoadError(str(e)) from e
         return self.weights.pack_file(file) if self.on_cuda else file.to_weights(self.dtype)
 
-    def _start_read(self, adapter: str) -> None:
+    def _start_read(self, adapter: str) -> bool:
         """Start reading the adapter unless `read_workers` reads are running (and not stalled,
-        READ_STALL_S): then a later call starts it (`tick` walks the needs soonest first;
-        `prepare` retries every step)."""
+        READ_STALL_S): then return False, and a later call starts it (`tick` walks the needs
+        soonest first; `prepare` retries every step)."""
         if adapter in self._reads:
-            return
+            return True
         try:
             path = self._path(adapter)
         except AdapterError as e:
             self._failed[adapter] = str(e)
-            return
+            return True
         now = time.monotonic()
         running = sum(not future.done() and now - self._read_started[name] < READ_STALL_S
                       for name, future in self._reads.items())
         if running >= self.read_workers:
-            return
+            return False
         self._read_started[adapter] = now
         self._reads[adapter] = self._pool.submit(self._read, adapter, path)
+        return True
 
     def _collect(self, adapter: str) -> bool:
         future = self._reads.get(adapter)
