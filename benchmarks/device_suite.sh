@@ -12,6 +12,7 @@
 #   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
 #   bash benchmarks/device_suite.sh churn-256                    #   (run each alone)
+#   bash benchmarks/device_suite.sh churn-chat                   #   prompts of 256-1024 tokens
 #   bash benchmarks/device_suite.sh churn128 seeds
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
@@ -80,6 +81,15 @@ for s in "$@"; do
             churn churn-256 570 --num-adapters 16 --rank 256 --slots 4 --rate 4 \
                 --num-requests 48 --input-len 32:96 --output-len 8:32 --kv-blocks 1024 \
                 --popularity distinct,skewed --resident ;;
+        churn-chat)  # rank 256 (copies of ~25 ms) under chat-like prompts, whose prefill is
+            # about as long as the copy: per-layer pipelining can hide a copy under its prefill
+            churn churn-chat 570 --num-adapters 16 --rank 256 --slots 8 --rate 4 \
+                --num-requests 48 --input-len 256:1024 --output-len 16:64 --kv-blocks 2048 \
+                --popularity distinct,uniform --resident --name churn_16x_r256_chat ;;
+        churn-chat-128)  # the same prompts, 32 rank-128 adapters over 8 slots
+            churn churn-chat-128 570 --num-adapters 32 --rank 128 --slots 8 --rate 4 \
+                --num-requests 48 --input-len 256:1024 --output-len 16:64 --kv-blocks 2048 \
+                --popularity distinct,uniform --resident --name churn_32x_r128_chat ;;
         churn128)  # a host cache of 32: disk reads join the churn
             churn churn128 300 --num-adapters 128 --rank 16 --slots 8 --host-cache 32 --rate 4 \
                 --num-requests 80 --popularity uniform,skewed ;;

@@ -21,9 +21,6 @@ from replicas.request import Request, RequestOutput, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
-STEP_TIME_EMA = 0.2  # weight of the newest step in the step-time average
-
-
 STEP_LOG = 1 << 14  # step timings kept (the most recent)
 
 
@@ -209,13 +206,15 @@ class Engine:
             return poll
 
         tokens = self.runner.execute(sched.seqs, layer_waits, while_running)
-        # The readback waited for the step's device work: this is the step's time. A moving
-        # average tells the adapter manager how long a copy can hide behind one step.
+        # The readback waited for the step's device work: this is the step's time. The adapter
+        # manager learns from it how long a copy can hide behind a step and behind a prefill.
         elapsed = time.monotonic() - started
-        self.adapters.step_time_s += STEP_TIME_EMA * (elapsed - self.adapters.step_time_s)
+        gated = layer_waits is not None or blocking_load
+        prefill_tokens = sum(s.num_new_tokens for s in sched.seqs if s.num_new_tokens > 1)
+        self.adapters.observe_step(elapsed, prefill_tokens, gated)
         self.step_timings.append(StepTiming(
             sum(s.num_new_tokens for s in sched.seqs), len(sched.seqs),
-            layer_waits is not None or blocking_load, self.runner.last_launch_s, elapsed,
+            gated, self.runner.last_launch_s, elapsed,
         ))
         for seq in sched.seqs:
             seq.request.num_computed_tokens += seq.num_new_tokens

@@ -26,7 +26,10 @@ milliseconds over PCIe; or a copy queued behind others on the load stream, which
 order) waits until most of it has landed (`AdapterGate.copy_settled`), so the running
 requests' steps are not stretched to the copies' length. Shorter copies are admitted at
 once: they arrive layer by layer while earlier layers compute, and stretch the step they join by
-at most one step, which is what waiting a step would cost the new request. Any copy is admitted
+at most one step, which is what waiting a step would cost the new request. "Shorter" counts
+the request's own prefill too: a step that computes a long prompt takes that much longer, and a
+copy landing under it stretches it no more than a short copy stretches a decode step (a prompt of
+600 tokens on an 8B model takes about as long as a rank-256 copy over PCIe). Any copy is admitted
 at once when nothing else runs. The rule bounds copies the prefetcher started ahead of
 admission; without the prefetcher (overlap mode) a copy starts at admission and the step
 absorbs it.
@@ -74,10 +77,11 @@ class AdapterGate(Protocol):
         """The adapter can be placed now (its weights are in memory); otherwise start fetching
         it and return False, without blocking. Raises AdapterLoadError."""
 
-    def copy_settled(self, adapter: str) -> bool:
-        """Admitting a request for the adapter now would not hold the step up for long: no
-        host->GPU copy of it is in flight, or the copy is short, or most of it has landed.
-        Checked without blocking."""
+    def copy_settled(self, adapter: str, prefill_tokens: int = 0) -> bool:
+        """Admitting a request for the adapter with `prefill_tokens` to compute now would not
+        hold the step up for long: no host->GPU copy of it is in flight, or the copy lands within
+        about two steps plus the time those tokens add, or most of it has landed. Checked
+        without blocking."""
 
     def acquire(self, adapter: str) -> int | None:
         """Hold the adapter's slot for one request, making it resident first if needed. Returns
@@ -224,7 +228,9 @@ class Scheduler:
                 try:
                     if not self.adapters.prepare(request.adapter):
                         continue  # still being read from disk; later requests may go first
-                    if self.running and not self.adapters.copy_settled(request.adapter):
+                    prefill = min(request.num_pending_tokens, budget)
+                    if (self.running
+                            and not self.adapters.copy_settled(request.adapter, prefill)):
                         continue  # a long copy still arriving: admitted a step later instead
                     slot = self.adapters.acquire(request.adapter)
                 except AdapterLoadError as e:

@@ -50,8 +50,14 @@ LOADING_MODES = ("blocking", "overlap", "prefetch")
 # copies queued ahead of it (the load stream runs its copies one after another, each layer by
 # layer; a copy started during the last step is partly there). The same window bounds what the
 # prefetcher queues on the load stream, so a need that shows up later waits behind at most that.
+# A request's own prefill widens the window by the time its tokens add to the step: the layers of
+# a long prompt take about as long as a large copy, so the copy lands under them.
 SHORT_COPY_S = 0.005
 COPY_STEPS = 2.0
+STEP_COST_EMA = 0.2  # weight of the newest step in the step-cost averages
+# A step's prefill tokens teach the per-token cost only from this many on: below it the step's
+# fixed costs swamp them.
+PREFILL_COST_MIN_TOKENS = 64
 COPY_BYTES_PER_S = 50e9  # pinned host -> GPU over PCIe 5 (about 55 GB/s measured on an H100)
 HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it was due is dropped
 # Disk reads running at once. One read already spreads its file ranges and layers over the host
@@ -139,7 +145,9 @@ class AdapterManager:
         # slot -> an event after the last step that read it (`mark_used`): a copy into the slot
         # waits for that step only, so it may start while a later step runs
         self._last_use: dict[int, torch.cuda.Event] = {}
-        self.step_time_s = 0.0  # recent model step time, kept by the engine
+        self.step_time_s = 0.0  # recent model step time (`observe_step`)
+        self.decode_step_s = 0.0  # recent time of a step with no prefill that waited on no copy
+        self.prefill_token_s = 0.0  # recent time one prefill token adds to a step
 
     # -- resolution ---------------------------------------------------------------------------
 
@@ -233,15 +241,16 @@ class AdapterManager:
             raise AdapterLoadError(self._failed.pop(adapter))
         return False
 
-    def copy_settled(self, adapter: str) -> bool:
+    def copy_settled(self, adapter: str, prefill_tokens: int = 0) -> bool:
         """No copy of the adapter in flight, or one whose bytes still to land (its own and the
-        copies' queued ahead of it) fit the copy window, or one whose middle layer has landed.
-        Queries events; never waits."""
+        copies' queued ahead of it) fit the copy window widened by `prefill_tokens` of the
+        request's prefill, or one whose middle layer has landed. Queries events; never waits."""
         slot = self.slots.slot_of(adapter)
         copy = self._pending.get(slot) if slot is not None else None
         if copy is None:
             return True
-        if self._queued_bytes(through=copy) <= self.copy_window_bytes:
+        prefill_bytes = prefill_tokens * self.prefill_token_s * COPY_BYTES_PER_S
+        if self._queued_bytes(through=copy) <= self.copy_window_bytes + prefill_bytes:
             return True
         return copy.events[len(copy.events) // 2].query()
 
@@ -249,6 +258,19 @@ class AdapterManager:
     def copy_window_bytes(self) -> float:
         """What the load stream moves in COPY_STEPS recent steps (at least SHORT_COPY_S)."""
         return max(SHORT_COPY_S, COPY_STEPS * self.step_time_s) * COPY_BYTES_PER_S
+
+    def observe_step(self, elapsed_s: float, prefill_tokens: int, gated: bool) -> None:
+        """Learn from one model step: its time, and unless it waited on a copy, what a decode
+        step costs and what a prefill token adds to one (the step's time beyond a decode step's,
+        per prefill token)."""
+        self.step_time_s += STEP_COST_EMA * (elapsed_s - self.step_time_s)
+        if gated:
+            return
+        if prefill_tokens == 0:
+            self.decode_step_s += STEP_COST_EMA * (elapsed_s - self.decode_step_s)
+        elif prefill_tokens >= PREFILL_COST_MIN_TOKENS and self.decode_step_s > 0:
+            per_token = max(0.0, elapsed_s - self.decode_step_s) / prefill_tokens
+            self.prefill_token_s += STEP_COST_EMA * (per_token - self.prefill_token_s)
 
     def _queued_bytes(self, through: Copy | None = None) -> int:
         """Bytes still to land on the load stream up to and including `through` (all of them if

@@ -305,6 +305,32 @@ def test_copy_settled_counts_only_the_layers_still_to_land(models, fleet, monkey
     assert manager._queued_bytes() == rest + size["ad2"]
 
 
+def test_copy_settled_counts_the_requests_own_prefill(models, fleet, monkeypatch):
+    """A long prompt's step takes longer: the copy may land under its prefill."""
+    manager, copies, size = two_copies_in_flight(models, fleet, monkeypatch)
+    queued = size["ad1"] + size["ad2"]
+    manager.step_time_s = 0.0  # the window is SHORT_COPY_S alone
+    assert manager.copy_window_bytes < queued
+    manager.prefill_token_s = 1e-4
+    tokens_needed = (queued - manager.copy_window_bytes) / (1e-4 * manager_mod.COPY_BYTES_PER_S)
+    assert not manager.copy_settled("ad2", prefill_tokens=int(tokens_needed) - 1)
+    assert manager.copy_settled("ad2", prefill_tokens=int(tokens_needed) + 1)
+    assert not manager.copy_settled("ad2")
+
+
+def test_observe_step_learns_what_a_prefill_token_adds(models, fleet):
+    manager = fleet_engine(models, fleet).adapters
+    for _ in range(50):
+        manager.observe_step(0.010, prefill_tokens=0, gated=False)
+        manager.observe_step(0.010 + 500 * 40e-6, prefill_tokens=500, gated=False)
+        # a step stretched by a copy, and one with too few prefill tokens to tell: not learnt
+        manager.observe_step(0.100, prefill_tokens=500, gated=True)
+        manager.observe_step(0.030, prefill_tokens=8, gated=False)
+    assert manager.decode_step_s == pytest.approx(0.010, rel=1e-3)
+    assert manager.prefill_token_s == pytest.approx(40e-6, rel=1e-2)
+    assert 0.010 < manager.step_time_s < 0.100  # every step's time counts here
+
+
 def test_prefetch_queues_no_more_than_the_copy_window(models, fleet, monkeypatch):
     engine = fleet_engine(models, fleet, max_loras_per_batch=4)
     manager = engine.adapters

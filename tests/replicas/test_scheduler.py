@@ -19,8 +19,10 @@ class FakeGate:
         self.broken = broken
         self.still_reading: set[str] = set()
         self.copying: set[str] = set()  # long copies in flight
+        self.settle_asks: list[tuple[str, int]] = []
 
-    def copy_settled(self, adapter: str) -> bool:
+    def copy_settled(self, adapter: str, prefill_tokens: int = 0) -> bool:
+        self.settle_asks.append((adapter, prefill_tokens))
         return adapter not in self.copying
 
     def is_resident(self, adapter: str) -> bool:
@@ -341,6 +343,7 @@ class TestAdapterAdmission:
         s.add(req("small", adapter="small"))
         admitted = {q.request.request_id for q in run_step(s).seqs}
         assert "small" in admitted and "big-2" not in admitted  # the others' step is not held up
+        assert ("big", 6) in gate.settle_asks  # asked with the prompt it would prefill now
         gate.copying.discard("big")  # most of the copy has landed
         assert "big-2" in {q.request.request_id for q in run_step(s).seqs}
 
