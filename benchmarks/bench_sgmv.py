@@ -339,6 +339,10 @@ def sweep(args: argparse.Namespace) -> None:
                     num_stages=st, programs_per_sm=pps, max_a_block=ma)
             for bm, bn, bk, kps, w, st, pps, ma in (
                 (1, 16, 16384, NO_SPLIT, 4, 1, 8, 4096),
+                # several whole rows of A per one-token item (fewer, larger reads), other
+                # program counts and widths
+                *((1, 16, 16384, NO_SPLIT, w, 1, pps, ma) for ma in (4096, 8192, 16384, 32768)
+                  for w, pps in ((2, 16), (4, 4), (4, 16), (8, 4), (8, 8))),
                 (16, 32, 256, 1024, 4, 3, 16, None),
                 (16, 32, 256, 1024, 8, 3, 8, None), (16, 32, 256, 1024, 4, 1, 16, None),
                 (16, 32, 256, 1024, 8, 2, 4, None), (16, 16, 256, 1024, 8, 3, 8, None),
@@ -358,6 +362,10 @@ def sweep(args: argparse.Namespace) -> None:
                 # wider rank steps for pools of a large max rank (tiles of several tokens)
                 (128, 32, 1, 32, 128), (128, 64, 2, 16, 128), (128, 64, 4, 8, 128),
                 (256, 64, 4, 8, 128), (128, 128, 4, 8, 128), (64, 64, 1, 32, 64),
+                # one-token items over 8 warps (2048 columns span every thread), and wider rank
+                # steps over 4 (fewer dependent steps for large ranks)
+                (2048, 16, 8, 4, 128), (2048, 16, 8, 8, 128), (1024, 32, 4, 4, 128),
+                (1024, 32, 8, 4, 128), (1024, 16, 4, 2, 128),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
