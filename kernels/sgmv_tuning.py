@@ -15,9 +15,9 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   compiled kernels without a GPU).
 - Up to 16 tokens, and batches whose every segment is one token up to 128 (decode over
   distinct adapters; `SHRINK_ONE_TOKEN_TABLE`): one-token tiles (block_m 1), no split-K, each
-  item a few whole rows of A (`max_a_block` elements: 1 row of the down projection's 14,336,
-  1 of 4,096 elsewhere) read before the kernel waits for the one before it, and h written by
-  the item itself: no partials, no arrival counter, no reducer between two kernels. H100,
+  item a few whole rows of A (`max_a_block` elements: see the one-token rows below) read
+  before the kernel waits for the one before it, and h written by the item itself: no
+  partials, no arrival counter, no reducer between two kernels. H100,
   2026-11-24, `bench_sgmv --sweep-small` (whole layers) and `--sweep` (shrink alone), us/layer:
   B = 1 14.1 -> 8.8, B = 8 D = 8 23.2 -> 17.3, B = 16 over one adapter 35.4 -> 13.7 (its
   one-token tiles re-read A from L2); shrink at B = D = 64 47.4 -> 39.5, mixed ranks 78.7 ->
@@ -48,6 +48,13 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   tokens one-token tiles over 1024 columns serve every batch (`--sweep-small`, whole layers,
   us/layer, against 16-row tiles over 256 columns of 1 warp): B = 1 10.1 (9.7-10.3), B = 8
   15.5 (15.5), 16 tokens over one adapter 15.4 (20.0, its 16-row tiles' products).
+- One-token items, `bench_sgmv --sweep --sweep-cases 4,2,1,0` (H100, 2026-11-24, each kernel
+  alone over a layer, us/layer, old row -> new): shrink at B = D = 64 mixed ranks 71.8 -> 62.5
+  and rank 16 40.3 -> 38.8 (eight rows of a 4,096-wide group per item, 4 programs per SM: fewer,
+  larger reads; one row 71.8, two 64.7-72.6, four 63.5-67.2), B = 8 7.8 -> 7.0 and B = 1 5.0 ->
+  5.0 (two rows over 8 warps; eight rows there 7.8-9.7 and 5.9-7.5). Expand at B = 8 8.2 -> 7.1
+  (2 programs per SM), mixed ranks 71.9 -> 69.7 (rank steps of 32; rank-16 pools clamp the step
+  to 16, so their row is unchanged).
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
@@ -110,9 +117,13 @@ def _check_tile_step(name: str, value: int | None) -> None:
 NO_SPLIT = 1 << 30
 
 # (max tokens or None, tiling), first match wins.
+# Whole rows of A per one-token item: up to 16 tokens two rows of a 4,096-wide group over 8 warps,
+# for 17-128 eight rows over 4 warps and 4 programs per SM (down: one row, two).
+_SHRINK_FEW_TOKENS = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1,
+                                  programs_per_sm=8, max_a_block=8192)
+
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
-                      max_a_block=4096)),
+    (16, _SHRINK_FEW_TOKENS),
     (128, ShrinkTiling(16, 32, 256, 1024, num_warps=4, num_stages=3, programs_per_sm=16,
                        tile_k=128)),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
@@ -123,13 +134,15 @@ SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 # SHRINK_TABLE's: `triton_shrink` searches this table first for such batches, and falls through
 # to SHRINK_TABLE's rows past its bounds.
 SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (128, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
-                       max_a_block=4096)),
+    (16, _SHRINK_FEW_TOKENS),
+    (128, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
+                       max_a_block=32768)),
 )
 
 # Tiles of one token over 1024 columns: up to 16 tokens for every batch (no second CUDA graph
-# for small buckets), and up to 128 for batches whose every segment is one token.
-_EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=4)
+# for small buckets; 2 programs per SM), and up to 128 for batches whose every segment is one
+# token (4 per SM, rank steps of 32: half the dependent steps of a rank-64 slot).
+_EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2)
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, _EXPAND_ONE_TOKEN),
@@ -142,7 +155,8 @@ EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 # columns spanning every thread of the program (8 x 32 x 4), so each thread sums its columns over
 # the rank alone.
 EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (128, _EXPAND_ONE_TOKEN),
+    (16, _EXPAND_ONE_TOKEN),
+    (128, ExpandTiling(1, 1024, 32, num_warps=4, num_stages=1, programs_per_sm=4)),
 )
 
 
