@@ -300,6 +300,9 @@ SWEEP_EXTRA = [  # --sweep-cases 6 and 7: many tokens over few adapters, one til
     Case("decode", (128,), (128,), "128"),
     Case("decode", (32,) * 4, (128,) * 4, "128"),
     Case("prefill", (256,), (128,), "128"),
+    # 11-12: B = 8 over 8 adapters of a pool of rank 64: one rank, and ranks 8-64
+    Case("decode", (1,) * 8, (64,) * 8, "64"),
+    Case("decode", (1,) * 8, tuple(MIXED_RANKS[i % 4] for i in range(8)), "mixed"),
 ]
 
 
