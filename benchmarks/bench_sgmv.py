@@ -111,7 +111,7 @@ class Problem:
 
 
 def make_problem(case: Case, shapes: dict, layers: int, dtype, device) -> Problem:
-    from kernels.sgmv import SgmvBatch, segment_order_key
+    from kernels.sgmv import SgmvBatch
 
     num_slots, max_rank = case.num_adapters, case.max_rank
     weights = []
@@ -129,11 +129,9 @@ def make_problem(case: Case, shapes: dict, layers: int, dtype, device) -> Proble
     t = case.num_tokens
     x = {g: torch.randn(t, d_in, device=device, dtype=dtype) for g, (d_in, _) in shapes.items()}
     y = {g: torch.randn(t, sum(o), device=device, dtype=dtype) for g, (_, o) in shapes.items()}
-    # segments in the engine's order (the model runner lays them out by `segment_order_key`)
-    slots = sorted(range(num_slots), key=lambda s: segment_order_key(s, case.ranks))
-    seg_lens = [case.seg_lens[s] for s in slots]
-    ends = torch.tensor(seg_lens).cumsum(0).tolist()
+    ends = torch.tensor(case.seg_lens).cumsum(0).tolist()
     starts = [0, *ends[:-1]]
+    slots = list(range(num_slots))
     scalings = [2.0 / r for r in case.ranks]
     i32 = dict(dtype=torch.int32, device=device)
     batch = SgmvBatch(
@@ -148,7 +146,7 @@ def make_problem(case: Case, shapes: dict, layers: int, dtype, device) -> Proble
         slot_scalings_host=tuple(scalings),
         num_tokens=t,
     )
-    token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(seg_lens))
+    token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(case.seg_lens))
     token_scale = torch.tensor(scalings)[token_slots].to(device, dtype)[:, None]
     return Problem(case, shapes, weights, x, y, batch, token_slots.to(device), token_scale)
 

@@ -74,15 +74,6 @@ class SgmvBatch:
         return not self.seg_starts
 
 
-def segment_order_key(slot: int, slot_ranks: tuple[int, ...] | list[int]) -> tuple[int, int]:
-    """Where a slot's segment goes among a step's segments: higher true rank first, then slot.
-    The kernels hand items to programs in segment order and the GPU places a wave of programs
-    on its SMs in turn, so a decode step's heavy items (a rank-64 token reads eight times a
-    rank-8 token's bytes) are spread over the SMs first and the light ones fill in after them,
-    instead of whatever rank pattern the slot numbers make landing on the same SMs."""
-    return (-slot_ranks[slot], slot)
-
-
 def torch_shrink(
     x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
 ) -> torch.Tensor:

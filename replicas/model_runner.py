@@ -1,8 +1,7 @@
 """Runs one scheduled step on the device: builds the flat batch, runs the model, samples.
 
 Token order inside a step: sequences with an adapter first, grouped by slot (so each slot's
-tokens form one SGMV segment; segments of higher-rank adapters first, see
-`kernels.sgmv.segment_order_key`), then base-model sequences.
+tokens form one SGMV segment), then base-model sequences.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import torch
 
 from kernels.attention import AttentionBatch, get_attention_backend
 from kernels.layer_ops import get_layer_ops
-from kernels.sgmv import segment_order_key
 from replicas.config import EngineConfig
 from replicas.cuda_graphs import DecodeGraphs, PrefillGraphs
 from replicas.kv_cache import blocks_for
@@ -245,8 +243,7 @@ class ModelRunner:
         `while_running()` runs once every launch is enqueued and, while it returns True, again
         every few hundred microseconds until the step's tokens are back (HostStaging.readback)."""
         started = time.monotonic()
-        ranks = self.lora_pool.ranks_host
-        order = sorted(range(len(seqs)), key=lambda i: _slot_key(seqs[i], ranks))
+        order = sorted(range(len(seqs)), key=lambda i: _slot_key(seqs[i]))
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -348,7 +345,6 @@ class ModelRunner:
         return self._generators[req.request_id]
 
 
-def _slot_key(seq: ScheduledSeq, slot_ranks: list[int]) -> tuple[int, int, int]:
-    """Adapter sequences first, a segment per slot in `segment_order_key`'s order; base last."""
+def _slot_key(seq: ScheduledSeq) -> tuple[int, int]:
     slot = seq.request.slot
-    return (1, 0, 0) if slot is None else (0, *segment_order_key(slot, slot_ranks))
+    return (1, 0) if slot is None else (0, slot)

@@ -37,18 +37,9 @@ def test_each_adapter_changes_the_output(models, adapters):
         assert hf_greedy(models["llama"], PROMPTS[0], 8, adapter_dir=path) != base_tokens
 
 
-def test_mixed_batch_matches_peft_for_base_and_every_adapter(models, adapters, monkeypatch):
+def test_mixed_batch_matches_peft_for_base_and_every_adapter(models, adapters):
     engine = make_engine(models["llama"], adapters=tuple((k, str(v)) for k, v in adapters.items()),
                          max_loras_per_batch=4)
-    pool = engine.runner.lora_pool
-    laid_out = []  # per step, the true rank of each segment's slot, in segment order
-    make_batch = pool.make_batch
-
-    def recording_make_batch(seg_lens, seg_slots, *args, **kwargs):
-        laid_out.append([pool.ranks_host[s] for s in seg_slots])
-        return make_batch(seg_lens, seg_slots, *args, **kwargs)
-
-    monkeypatch.setattr(pool, "make_batch", recording_make_batch)
     requests, expected = [], {}
     for i, prompt in enumerate(PROMPTS):
         for name in [None, *adapters]:
@@ -61,9 +52,6 @@ def test_mixed_batch_matches_peft_for_base_and_every_adapter(models, adapters, m
         assert results[rid][0] == tokens, rid
     # All four adapters and the base ran in the same steps: one batch held several adapters.
     assert engine.max_adapters_in_step == 4
-    # Segments of higher-rank adapters first (`segment_order_key`), in every step.
-    assert any(len(set(ranks)) == 4 for ranks in laid_out)
-    assert all(ranks == sorted(ranks, reverse=True) for ranks in laid_out), laid_out
 
 
 def test_more_adapters_than_slots(models, adapters):
