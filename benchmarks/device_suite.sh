@@ -86,6 +86,11 @@ for s in "$@"; do
             churn churn-chat 570 --num-adapters 16 --rank 256 --slots 8 --rate 4 \
                 --num-requests 48 --input-len 256:1024 --output-len 16:64 --kv-blocks 2048 \
                 --popularity distinct,uniform --resident --name churn_16x_r256_chat ;;
+        churn-chat-busy)  # the rank-256 chat-like cell at twice the rate: blocking loads queue
+            churn churn-chat-busy 400 --num-adapters 16 --rank 256 --slots 8 --rate 8 \
+                --num-requests 64 --input-len 256:1024 --output-len 16:64 --kv-blocks 2048 \
+                --popularity distinct --modes blocking,prefetch --resident \
+                --name churn_16x_r256_chat_rate8 ;;
         churn-chat-128)  # the same prompts, 32 rank-128 adapters over 8 slots
             churn churn-chat-128 570 --num-adapters 32 --rank 128 --slots 8 --rate 4 \
                 --num-requests 48 --input-len 256:1024 --output-len 16:64 --kv-blocks 2048 \
