@@ -332,8 +332,9 @@ def sweep(args: argparse.Namespace) -> None:
                          device)
         p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
                                             len(p.shapes[g][1])) for g in p.shapes}
-        base_s = pick(sgmv_triton._shrink_table(p.batch.one_token_segments), case.num_tokens)
-        base_e = pick(sgmv_triton._expand_table(p.batch.one_token_segments), case.num_tokens)
+        one_token = p.batch.one_token_segments
+        base_s = pick(sgmv_triton._shrink_table(one_token, case.max_rank), case.num_tokens)
+        base_e = pick(sgmv_triton._expand_table(one_token, case.max_rank), case.num_tokens)
         # block_m 1: every tile one token, each item whole rows of A (max_a_block elements, no
         # split-K; a segment of several tokens re-reads its weights per token, from L2);
         # block_m 16: 16-token tiles with split-K
@@ -504,12 +505,14 @@ def only_rows(shrink=None, expand=None):
     """Every launch inside takes these tilings (None: the kernel's tables as they are)."""
     from kernels import sgmv_triton
 
-    names = ("SHRINK_TABLE", "SHRINK_ONE_TOKEN_TABLE", "EXPAND_TABLE", "EXPAND_ONE_TOKEN_TABLE")
+    names = [f"{k}_{t}" for k in ("SHRINK", "EXPAND")
+             for t in ("TABLE", "ONE_TOKEN_TABLE", "WIDE_RANK_TABLE")]
     saved = {n: getattr(sgmv_triton, n) for n in names}
-    if shrink is not None:
-        sgmv_triton.SHRINK_TABLE, sgmv_triton.SHRINK_ONE_TOKEN_TABLE = ((None, shrink),), ()
-    if expand is not None:
-        sgmv_triton.EXPAND_TABLE, sgmv_triton.EXPAND_ONE_TOKEN_TABLE = ((None, expand),), ()
+    for kernel, tiling in (("SHRINK", shrink), ("EXPAND", expand)):
+        if tiling is not None:
+            setattr(sgmv_triton, f"{kernel}_TABLE", ((None, tiling),))
+            setattr(sgmv_triton, f"{kernel}_ONE_TOKEN_TABLE", ())
+            setattr(sgmv_triton, f"{kernel}_WIDE_RANK_TABLE", ())
     try:
         yield
     finally:
@@ -527,7 +530,7 @@ def sweep_small(args: argparse.Namespace) -> None:
     from kernels.sgmv_tuning import SHRINK_TABLE, ShrinkTiling, pick
 
     device = torch.device("cuda")
-    base_s, base_e = pick(SHRINK_TABLE, 1), pick(sgmv_triton._expand_table(True), 1)
+    base_s, base_e = pick(SHRINK_TABLE, 1), pick(sgmv_triton._expand_table(True, 16), 1)
     # tiles of one token (the decode batches' shape) take matrix-vector products; the row's
     # shrink splits no K: each item holds a few whole rows of A (max_a_block elements), read
     # before the wait, and writes h itself (no partials, no arrival, no reducer)

@@ -8,6 +8,7 @@ reads each kernel's registers, stack and spills, which decide how many programs 
 
     python -m kernels.aot                # every tuning row, bf16 and float32, with and without PDL
     python -m kernels.aot --tokens 1,64  # only the rows these token counts pick
+    python -m kernels.aot --max-ranks 64 # pools of max rank 64 only
 
 Needs the compiled kernels (not the interpreter): run it without TRITON_INTERPRET.
 """
@@ -91,8 +92,8 @@ def shrink(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
 
     hidden, outs = GROUPS[group]
     float32 = dtype == "float32"
-    plan = st._shrink_plan(st._shrink_table(one_token), tokens, hidden, len(outs) * max_rank,
-                           max_rank, segments, slots, float32, NUM_SMS, pdl)
+    plan = st._shrink_plan(st._shrink_table(one_token, max_rank), tokens, hidden,
+                           len(outs) * max_rank, max_rank, segments, slots, float32, NUM_SMS, pdl)
     p = _POINTER[dtype]
     types = dict(x_ptr=p, a_ptr=p, h_ptr=p, part_ptr="*fp32", lock_ptr="*i32",
                  seg_indptr_ptr="*i32", seg_slots_ptr="*i32", slot_ranks_ptr="*i32",
@@ -115,8 +116,8 @@ def expand(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
     for width in GROUPS[group][1]:
         offsets.append(offsets[-1] + width)
     float32 = dtype == "float32"
-    plan = st._expand_plan(st._expand_table(one_token), tokens, tuple(offsets), max_rank,
-                           segments, slots, float32, NUM_SMS, pdl)
+    plan = st._expand_plan(st._expand_table(one_token, max_rank), tokens, tuple(offsets),
+                           max_rank, segments, slots, float32, NUM_SMS, pdl)
     p = _POINTER[dtype]
     types = dict(h_ptr=p, b_ptr=p, y_ptr=p, seg_indptr_ptr="*i32", seg_slots_ptr="*i32",
                  slot_ranks_ptr="*i32", slot_scalings_ptr="*fp32", num_segments="i32",
@@ -137,29 +138,29 @@ def _torch_dtype(name: str):
 
 def table_token_counts() -> list[int]:
     """One token count per row of either table (each row's bound, 4096 for the open row)."""
-    from kernels.sgmv_tuning import (
-        EXPAND_ONE_TOKEN_TABLE,
-        EXPAND_TABLE,
-        SHRINK_ONE_TOKEN_TABLE,
-        SHRINK_TABLE,
-    )
+    from kernels import sgmv_tuning as t
 
-    rows = SHRINK_TABLE + SHRINK_ONE_TOKEN_TABLE + EXPAND_TABLE + EXPAND_ONE_TOKEN_TABLE
+    rows = (t.SHRINK_TABLE + t.SHRINK_ONE_TOKEN_TABLE + t.SHRINK_WIDE_RANK_TABLE + t.EXPAND_TABLE
+            + t.EXPAND_ONE_TOKEN_TABLE + t.EXPAND_WIDE_RANK_TABLE)
     bounds = {b if b is not None else 4096 for b, _ in rows}
     return sorted(bounds | {1})
 
 
-def kernel_variants(tokens: int) -> list[tuple[str, bool]]:
-    """(kernel, one_token) pairs to compile at a token count: each kernel once more where batches
-    whose every segment is one token pick another row."""
+def kernel_variants(tokens: int, max_rank: int) -> list[tuple[str, bool]]:
+    """(kernel, one_token) pairs to compile at a token count and pool rank: each kernel once more
+    where batches whose every segment is one token pick another row."""
     from kernels import sgmv_triton as st
 
     variants = []
     for kernel in st.TABLES:
         variants.append((kernel, False))
-        if st.kernel_variant_differs(kernel, tokens):
+        if st.kernel_variant_differs(kernel, tokens, max_rank):
             variants.append((kernel, True))
     return variants
+
+
+# Pool ranks compiled by default: a rank-16 pool, and one past WIDE_RANK (its own rows).
+MAX_RANKS = (16, 64)
 
 
 def main() -> None:
@@ -168,28 +169,26 @@ def main() -> None:
                     type=lambda v: [int(i) for i in v.split(",")],
                     help="token counts to compile for (default: one per tuning row)")
     ap.add_argument("--dtypes", default="bfloat16,float32", type=lambda v: v.split(","))
-    ap.add_argument("--max-rank", type=int, default=16)
+    ap.add_argument("--max-ranks", default=MAX_RANKS,
+                    type=lambda v: [int(i) for i in v.split(",")],
+                    help="pool max ranks to compile for (default: %(default)s)")
     ap.add_argument("--groups", default=",".join(GROUPS), type=lambda v: v.split(","))
     args = ap.parse_args()
-    for tokens in args.tokens or table_token_counts():
-        for dtype in args.dtypes:
-            for pdl in (True, False):
-                for group in args.groups:
-                    for name, one_token in kernel_variants(tokens):
-                        if name == "shrink":
-                            compiled, plan = shrink(tokens, group, dtype, pdl, args.max_rank,
-                                                    one_token=one_token)
-                        else:
-                            compiled, plan = expand(tokens, group, dtype, pdl, args.max_rank,
-                                                    one_token=one_token)
-                        u = usage(compiled)
-                        warps = plan.constants["num_warps"]
-                        kind = "one-token" if one_token else "any"
-                        print(f"{name:6} tokens {tokens:5} {group:7} {dtype:8} pdl {pdl!s:5} "
-                              f"segments {kind:9} "
-                              f"regs {u.registers:3} stack {u.stack:3} local {u.local:3} "
-                              f"warps {warps} programs/SM {u.programs_per_sm(warps)}",
-                              flush=True)
+    combos = [(rank, tokens, dtype, pdl, group)
+              for rank in args.max_ranks for tokens in args.tokens or table_token_counts()
+              for dtype in args.dtypes for pdl in (True, False) for group in args.groups]
+    for rank, tokens, dtype, pdl, group in combos:
+        for name, one_token in kernel_variants(tokens, rank):
+            build = shrink if name == "shrink" else expand
+            compiled, plan = build(tokens, group, dtype, pdl, rank, one_token=one_token)
+            u = usage(compiled)
+            warps = plan.constants["num_warps"]
+            kind = "one-token" if one_token else "any"
+            print(f"{name:6} rank {rank:3} tokens {tokens:5} {group:7} {dtype:8} pdl {pdl!s:5} "
+                  f"segments {kind:9} "
+                  f"regs {u.registers:3} stack {u.stack:3} local {u.local:3} "
+                  f"warps {warps} programs/SM {u.programs_per_sm(warps)}",
+                  flush=True)
 
 
 if __name__ == "__main__":

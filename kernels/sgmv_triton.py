@@ -65,8 +65,11 @@ from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
 from kernels.sgmv_tuning import (
     EXPAND_ONE_TOKEN_TABLE,
     EXPAND_TABLE,
+    EXPAND_WIDE_RANK_TABLE,
     SHRINK_ONE_TOKEN_TABLE,
     SHRINK_TABLE,
+    SHRINK_WIDE_RANK_TABLE,
+    WIDE_RANK,
     pick,
 )
 
@@ -493,10 +496,9 @@ def triton_shrink(
     if num_segments == 0:
         return h
 
-    plan = _shrink_plan(_shrink_table(batch.one_token_segments), num_tokens, hidden, num_cols,
-                        max_rank, num_segments,
-                        batch.slot_ranks.shape[0], _unrolled(x), _num_sms(x.device),
-                        _pdl_enabled(x.device))
+    plan = _shrink_plan(_shrink_table(batch.one_token_segments, max_rank), num_tokens, hidden,
+                        num_cols, max_rank, num_segments, batch.slot_ranks.shape[0],
+                        _unrolled(x), _num_sms(x.device), _pdl_enabled(x.device))
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
                            device=x.device)
@@ -537,9 +539,9 @@ def triton_expand(
         return
 
     num_slots = batch.slot_ranks.shape[0]
-    plan = _expand_plan(_expand_table(batch.one_token_segments), num_tokens, tuple(out_offsets),
-                        max_rank, num_segments, num_slots, _unrolled(y), _num_sms(y.device),
-                        _pdl_enabled(y.device))
+    plan = _expand_plan(_expand_table(batch.one_token_segments, max_rank), num_tokens,
+                        tuple(out_offsets), max_rank, num_segments, num_slots, _unrolled(y),
+                        _num_sms(y.device), _pdl_enabled(y.device))
     _EXPAND(
         plan,
         (h, b, y,
@@ -550,30 +552,37 @@ def triton_expand(
     )
 
 
-def _shrink_table(one_token_segments: bool) -> tuple:
+def _shrink_table(one_token_segments: bool, max_rank: int) -> tuple:
     """The shrink's tuning rows for a batch: when every segment is one token, the one-token
-    table's rows come first. A hint about speed only: every row computes every batch."""
-    return SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE if one_token_segments else SHRINK_TABLE
+    table's rows come first, and ahead of them the wide-rank table's in pools of a max rank of at
+    least WIDE_RANK. A hint about speed only: every row computes every batch."""
+    if not one_token_segments:
+        return SHRINK_TABLE
+    wide = SHRINK_WIDE_RANK_TABLE if max_rank >= WIDE_RANK else ()
+    return wide + SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE
 
 
-def _expand_table(one_token_segments: bool) -> tuple:
+def _expand_table(one_token_segments: bool, max_rank: int) -> tuple:
     """The expand's rows for a batch, as `_shrink_table`."""
-    return EXPAND_ONE_TOKEN_TABLE + EXPAND_TABLE if one_token_segments else EXPAND_TABLE
+    if not one_token_segments:
+        return EXPAND_TABLE
+    wide = EXPAND_WIDE_RANK_TABLE if max_rank >= WIDE_RANK else ()
+    return wide + EXPAND_ONE_TOKEN_TABLE + EXPAND_TABLE
 
 
 TABLES = {"shrink": _shrink_table, "expand": _expand_table}
 
 
-def kernel_variant_differs(kernel: str, num_tokens: int) -> bool:
-    """Whether `kernel` ("shrink" or "expand") picks another tiling over `num_tokens` tokens when
-    every segment is one token."""
+def kernel_variant_differs(kernel: str, num_tokens: int, max_rank: int) -> bool:
+    """Whether `kernel` ("shrink" or "expand") picks another tiling over `num_tokens` tokens in a
+    pool of `max_rank` when every segment is one token."""
     table = TABLES[kernel]
-    return pick(table(True), num_tokens) != pick(table(False), num_tokens)
+    return pick(table(True, max_rank), num_tokens) != pick(table(False, max_rank), num_tokens)
 
 
-def one_token_variant_differs(num_tokens: int) -> bool:
+def one_token_variant_differs(num_tokens: int, max_rank: int) -> bool:
     """Whether either kernel does (a CUDA graph of that size then needs a variant for each)."""
-    return any(kernel_variant_differs(kernel, num_tokens) for kernel in TABLES)
+    return any(kernel_variant_differs(kernel, num_tokens, max_rank) for kernel in TABLES)
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,26 @@ EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 )
 
 
+# Pools of a wide max rank (adapters of rank 64 and up): rows for batches whose every segment is
+# one token, ahead of the one-token tables'. Each item's bytes follow its slot's rank, and at
+# 2-16 tokens a rank-64 slot's items are few and heavy: the shrink reads four rows of A per item
+# over 4 warps, the expand narrow column blocks over whole 64-row rank steps on one warp.
+# `bench_sgmv --sweep --sweep-cases 11,12` (H100, 2026-11-24, each kernel alone over a layer,
+# us/layer, the few-token rows above -> these): B = 8 over 8 rank-64 adapters shrink 23.6 -> 19.8,
+# expand 27.7 -> 21.5; over ranks 8-64 shrink 12.5 -> 11.2, expand 21.5 -> 13.8. One token keeps
+# the few-token rows (not measured with these).
+WIDE_RANK = 64
+SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
+    (1, _SHRINK_FEW_TOKENS),
+    (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
+                      max_a_block=16384)),
+)
+EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
+    (1, _EXPAND_ONE_TOKEN),
+    (16, ExpandTiling(1, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64)),
+)
+
+
 # float32 is the checking dtype (the GPU tests compare it token for token with PEFT). Its products
 # run in IEEE float32 on CUDA cores, where Triton unrolls a whole tile product into scalar FMAs;
 # at the bf16 tile sizes the float32 engine's warm-up sat in an SGMV launch for minutes on an

@@ -171,7 +171,7 @@ class DecodeGraphs(_GraphedSteps):
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         # Per bucket, a graph for steps whose every LoRA segment is one token (decode over
         # distinct adapters) and, where the SGMV tilings differ for them, one for the rest.
-        self.variants = {b: _segment_variants(b) for b in self.buckets}
+        self.variants = {b: _segment_variants(b, lora_pool.max_rank) for b in self.buckets}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
 
@@ -205,12 +205,13 @@ class DecodeGraphs(_GraphedSteps):
         return self.hidden[key][:n]
 
 
-def _segment_variants(num_tokens: int) -> tuple[bool, ...]:
+def _segment_variants(num_tokens: int, max_rank: int) -> tuple[bool, ...]:
     """The `one_token_segments` values a bucket needs a graph for: both where either SGMV kernel
-    picks another tiling when every segment is one token, else one graph (True) for all."""
+    picks another tiling when every segment is one token (in a pool of `max_rank`), else one
+    graph (True) for all."""
     from kernels.sgmv_triton import one_token_variant_differs
 
-    return (True, False) if one_token_variant_differs(num_tokens) else (True,)
+    return (True, False) if one_token_variant_differs(num_tokens, max_rank) else (True,)
 
 
 class PrefillGraphs(_GraphedSteps):

@@ -76,6 +76,8 @@ BATCHES = {
     "long_segments": ([(33, 1), (5, 2), (18, 3)], [0, 16, 4, 11], 16),  # 33 = 16 + 16 + 1
     "decode_distinct": ([(1, 1 + i % 5) for i in range(11)], [0, 2, 16, 7, 1, 12], 16),
     "rank_loop_r32": ([(3, 1), (2, 2), (4, 3)], [0, 32, 20, 9], 32),
+    # one-token segments in a pool of max rank WIDE_RANK: the wide-rank rows by default
+    "decode_wide_rank": ([(1, 1 + i % 4) for i in range(6)], [0, 64, 8, 33, 1], 64),
 }
 
 
@@ -140,6 +142,8 @@ def tiling(request, monkeypatch):
         monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", ())
         monkeypatch.setattr(sgmv_triton, "EXPAND_TABLE", expand)
         monkeypatch.setattr(sgmv_triton, "EXPAND_ONE_TOKEN_TABLE", ())
+        monkeypatch.setattr(sgmv_triton, "SHRINK_WIDE_RANK_TABLE", ())
+        monkeypatch.setattr(sgmv_triton, "EXPAND_WIDE_RANK_TABLE", ())
     return request.param
 
 
@@ -372,20 +376,38 @@ class TestLaunchers:
 
     def test_one_token_batches_pick_their_own_rows(self):
         args = (64, 4096, 48, 16, 64, 64, False, 132)
-        one = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True), *args)
-        any_ = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(False), *args)
+        one = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True, 16), *args)
+        any_ = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(False, 16), *args)
         assert one.constants["BLOCK_M"] == 1 and one.split_k == 1
         assert any_.constants["BLOCK_M"] == 16 and any_.split_k > 1
         offsets = (0, 4096, 5120, 6144)
-        e_one = sgmv_triton._expand_plan(sgmv_triton._expand_table(True), 64, offsets, 16, 64,
-                                         64, False, 132)
-        e_any = sgmv_triton._expand_plan(sgmv_triton._expand_table(False), 64, offsets, 16, 64,
-                                         64, False, 132)
+        e_one = sgmv_triton._expand_plan(sgmv_triton._expand_table(True, 16), 64, offsets, 16,
+                                         64, 64, False, 132)
+        e_any = sgmv_triton._expand_plan(sgmv_triton._expand_table(False, 16), 64, offsets, 16,
+                                         64, 64, False, 132)
         assert e_one.constants["BLOCK_M"] == 1 and e_any.constants["BLOCK_M"] == 16
         # a CUDA graph needs a variant only where the rows differ
-        assert sgmv_triton.one_token_variant_differs(64)
-        assert not sgmv_triton.one_token_variant_differs(1)
-        assert not sgmv_triton.one_token_variant_differs(1024)
+        assert sgmv_triton.one_token_variant_differs(64, 16)
+        assert not sgmv_triton.one_token_variant_differs(1, 16)
+        assert not sgmv_triton.one_token_variant_differs(8, 16)
+        assert not sgmv_triton.one_token_variant_differs(1024, 16)
+
+    def test_wide_rank_pools_pick_their_rows_for_one_token_batches(self):
+        wide = sgmv_triton.WIDE_RANK
+        for kernel, table, wide_rows in (
+            ("shrink", sgmv_triton._shrink_table, sgmv_triton.SHRINK_WIDE_RANK_TABLE),
+            ("expand", sgmv_triton._expand_table, sgmv_triton.EXPAND_WIDE_RANK_TABLE),
+        ):
+            assert pick(table(True, wide), 8) == pick(wide_rows, 8) != pick(table(True, 16), 8)
+            assert pick(table(True, 2 * wide), 16) == pick(wide_rows, 16)
+            # not below WIDE_RANK, not for segments of several tokens, not past the rows' bound
+            assert pick(table(True, wide // 2), 8) == pick(table(True, 16), 8)
+            assert pick(table(False, wide), 8) == pick(table(False, 16), 8)
+            assert pick(table(True, wide), 64) == pick(table(True, 16), 64)
+            assert sgmv_triton.kernel_variant_differs(kernel, 8, wide)
+        # so a pool of a wide rank captures both graph variants at 8 tokens, one at a single token
+        assert sgmv_triton.one_token_variant_differs(8, wide)
+        assert not sgmv_triton.one_token_variant_differs(1, wide)
 
     @pytest.mark.parametrize("batch_name", ["decode_distinct", "long_segments",
                                             "slot_in_two_segments"])
@@ -400,7 +422,7 @@ class TestLaunchers:
         layout = LAYOUTS["qkv_gqa"]
         batch, a, b, x, y, _ = run_case(layout, batch_name)
         assert batch.one_token_segments == (batch_name == "decode_distinct")  # from the host lists
-        assert sgmv_triton.one_token_variant_differs(batch.num_tokens)
+        assert sgmv_triton.one_token_variant_differs(batch.num_tokens, 16)
         inside = segment_rows(batch, x.shape[0])
         h_ref = torch_shrink(x, a, batch, 3)
         y_ref = y.clone()

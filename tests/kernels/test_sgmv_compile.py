@@ -36,10 +36,10 @@ def test_every_tuning_row_compiles_for_hopper():
     )
     assert run.returncode == 0, run.stderr[-4000:]
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("shrink", "expand"))]
-    from kernels.aot import kernel_variants, table_token_counts
+    from kernels.aot import MAX_RANKS, kernel_variants, table_token_counts
 
-    # kernels (and shrink variants) x token count x dtype x PDL x group
-    kernels = sum(len(kernel_variants(n)) for n in table_token_counts())
+    # kernels (and one-token variants) x token count x pool rank, x dtype x PDL x group
+    kernels = sum(len(kernel_variants(n, r)) for n in table_token_counts() for r in MAX_RANKS)
     assert len(lines) == kernels * 2 * 2 * 2, run.stdout
     assert any("segments one-token" in line for line in lines), run.stdout
     for line in lines:
