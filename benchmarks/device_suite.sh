@@ -5,6 +5,7 @@
 #   bash benchmarks/device_suite.sh prefill                      # prefill step + per-op profile
 #   bash benchmarks/device_suite.sh kernel-tests                 # tests/kernels compiled (slow)
 #   bash benchmarks/device_suite.sh sgmv-sweep                   # tuning candidates (prints)
+#   bash benchmarks/device_suite.sh sgmv-wide                    #   at B = 8, rank-64 pools
 #   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
 #   bash benchmarks/device_suite.sh copy-overlap                 # load-stream copies vs the step;
 #                                                                #   host time of an adapter write
@@ -13,6 +14,7 @@
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
 #   bash benchmarks/device_suite.sh churn-256                    #   (run each alone)
 #   bash benchmarks/device_suite.sh churn-chat                   #   prompts of 256-1024 tokens
+#   bash benchmarks/device_suite.sh churn-chat-128 churn-chat-busy churn128-large
 #   bash benchmarks/device_suite.sh churn128 seeds
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
@@ -70,6 +72,8 @@ for s in "$@"; do
             --out "$OUT" ;;
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
         sgmv-sweep) stage sgmv-sweep 420 python -m benchmarks.bench_sgmv --sweep ;;
+        sgmv-wide)  # B = 8 in a pool of max rank 64 (the wide-rank rows against the candidates)
+            stage sgmv-wide 300 python -m benchmarks.bench_sgmv --sweep --sweep-cases 11,12 ;;
         churn16)
             churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 48 \
                 --popularity distinct,uniform,skewed --resident ;;
@@ -95,6 +99,11 @@ for s in "$@"; do
             churn churn-chat-128 570 --num-adapters 32 --rank 128 --slots 8 --rate 4 \
                 --num-requests 48 --input-len 256:1024 --output-len 16:64 --kv-blocks 2048 \
                 --popularity distinct,uniform --resident --name churn_32x_r128_chat ;;
+        churn128-large)  # 128 rank-128 adapters, host cache of 32 (21 GB pinned): reads of 671 MB
+            # join the churn; no all-resident run (128 slots of 671 MB do not fit the GPU)
+            churn churn128-large 400 --num-adapters 128 --rank 128 --slots 8 --host-cache 32 \
+                --rate 4 --num-requests 48 --input-len 256:1024 --output-len 16:64 \
+                --kv-blocks 2048 --popularity uniform --name churn_128x_r128 ;;
         churn128)  # a host cache of 32: disk reads join the churn
             churn churn128 300 --num-adapters 128 --rank 16 --slots 8 --host-cache 32 --rate 4 \
                 --num-requests 80 --popularity uniform,skewed ;;
