@@ -14,14 +14,16 @@
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
 #   bash benchmarks/device_suite.sh churn-256                    #   (run each alone)
 #   bash benchmarks/device_suite.sh churn-chat                   #   prompts of 256-1024 tokens
-#   bash benchmarks/device_suite.sh churn-chat-128 churn-chat-busy churn128-large
+#   bash benchmarks/device_suite.sh churn-chat-128               #   (also churn-chat-busy,
+#                                                                #   churn128-large: one a call)
 #   bash benchmarks/device_suite.sh churn128 seeds
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
 #
 # Stage lengths seen on an H100: decode 72 s, sgmv-quick 35 s, churn16 349 s (48 requests a
 # cell), churn-large ~520 s (80 a cell; 125 s of it builds the first engine, 126 s the
-# all-resident one: run it alone in a call), churn128 132 s (40 a cell). `tests` takes 200-450 s,
+# all-resident one: run it alone in a call), churn128 132 s (40 a cell), churn-chat 447 s,
+# churn-chat-128 468 s, churn-chat-busy 316 s. `tests` takes 200-450 s,
 # most of it compiling kernels (the float32 engine test alone 75 s); it once sat in an SGMV
 # launch of its warm-up for over 140 s (float32 tiles are capped since).
 #
