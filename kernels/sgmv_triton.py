@@ -104,38 +104,35 @@ def _segment_table(
 
 
 @triton.jit
-def _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M: tl.constexpr):
-    """Tile j's first row, its segment's end row, and the segment's slot."""
-    owner = (tiles_incl > j) & (tiles_incl - tiles <= j)  # one segment; empty ones never match
+def _locate_item(i, starts, ends, slots, counts, counts_incl):
+    """Item i among per-segment item counts (inclusive prefix sum `counts_incl`): its segment's
+    first row, end row and slot, and the item's index within the segment."""
+    owner = (counts_incl > i) & (counts_incl - counts <= i)  # one segment; empty ones never match
     start, end, slot, before = tl.reduce(
         (
             tl.where(owner, starts, 0),
             tl.where(owner, ends, 0),
             tl.where(owner, slots, 0),
-            tl.where(owner, tiles_incl - tiles, 0),
+            tl.where(owner, counts_incl - counts, 0),
         ),
         0,
         _add4,
     )
-    return start + (j - before) * BLOCK_M, end, slot
+    return start, end, slot, i - before
 
 
 @triton.jit
-def _locate_item(i, starts, slots, counts, counts_incl):
-    """Item i among per-segment item counts (inclusive prefix sum `counts_incl`): its segment's
-    first row and slot, and the item's index within the segment."""
-    owner = (counts_incl > i) & (counts_incl - counts <= i)  # one segment; empty ones never match
-    start, slot, before, _ = tl.reduce(
-        (
-            tl.where(owner, starts, 0),
-            tl.where(owner, slots, 0),
-            tl.where(owner, counts_incl - counts, 0),
-            tl.zeros_like(starts),
-        ),
-        0,
-        _add4,
-    )
-    return start, slot, i - before
+def _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M: tl.constexpr):
+    """Tile j's first row, its segment's end row, and the segment's slot."""
+    start, end, slot, local = _locate_item(j, starts, ends, slots, tiles, tiles_incl)
+    return start + local * BLOCK_M, end, slot
+
+
+@triton.jit
+def _rank_group(rank, MAX_STEPS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Column blocks per one-token expand item for a slot of `rank` (`_expand_rank_groups`):
+    the pool's max rank steps over the slot's own."""
+    return MAX_STEPS // tl.maximum((rank + BLOCK_R - 1) // BLOCK_R, 1)
 
 
 @triton.jit
@@ -417,9 +414,9 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, strid
 
 
 @triton.jit
-def _expand_rank_groups(h_ptr, b_ptr, y_ptr, slot_ranks_ptr, starts, slots, tiles, slot_ids,
-                        slot_ranks, slot_scales, stride_ht, stride_bs, stride_br, stride_yt,
-                        MAX_RANK: tl.constexpr, O_1: tl.constexpr, O_2: tl.constexpr,
+def _expand_rank_groups(h_ptr, b_ptr, y_ptr, slot_ranks_ptr, starts, ends, slots, tiles,
+                        slot_ids, slot_ranks, slot_scales, stride_ht, stride_bs, stride_br,
+                        stride_yt, MAX_RANK: tl.constexpr, O_1: tl.constexpr, O_2: tl.constexpr,
                         O_3: tl.constexpr, O_4: tl.constexpr, NB_1: tl.constexpr,
                         NB_2: tl.constexpr, NB_3: tl.constexpr, NUM_NB: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr,
@@ -434,16 +431,15 @@ def _expand_rank_groups(h_ptr, b_ptr, y_ptr, slot_ranks_ptr, starts, slots, tile
     # per segment: its slot's rank (a gather from the slot table, which no kernel before this
     # one writes: read before `gdc_wait`; segments past the count have no tiles)
     seg_ranks = tl.load(slot_ranks_ptr + slots)
-    seg_steps = (seg_ranks + BLOCK_R - 1) // BLOCK_R
-    seg_group = max_steps // tl.maximum(seg_steps, 1)  # column blocks per item
+    seg_group = _rank_group(seg_ranks, max_steps, BLOCK_R)
     seg_items = tl.where(seg_ranks > 0, (NUM_NB + seg_group - 1) // seg_group, 0) * tiles
     items_incl = tl.cumsum(seg_items, axis=0)
     num_items = tl.sum(seg_items, axis=0)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        start, slot, local = _locate_item(item, starts, slots, seg_items, items_incl)
+        start, _, slot, local = _locate_item(item, starts, ends, slots, seg_items, items_incl)
         rank = _slot_value(slot, slot_ids, slot_ranks)
         scale = _slot_value(slot, slot_ids, slot_scales)
-        group = max_steps // tl.maximum((rank + BLOCK_R - 1) // BLOCK_R, 1)
+        group = _rank_group(rank, max_steps, BLOCK_R)
         per_token = (NUM_NB + group - 1) // group
         row = (start + local // per_token).to(tl.int64)
         nb_lo = (local % per_token) * group
@@ -502,7 +498,7 @@ def _sgmv_expand_kernel(
     slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_live, other=0)
     slot_scales = tl.load(slot_scalings_ptr + slot_ids, mask=slot_live, other=0.0)
     if RANK_GROUPS:
-        _expand_rank_groups(h_ptr, b_ptr, y_ptr, slot_ranks_ptr, starts, slots, tiles,
+        _expand_rank_groups(h_ptr, b_ptr, y_ptr, slot_ranks_ptr, starts, ends, slots, tiles,
                             slot_ids, slot_ranks, slot_scales, stride_ht, stride_bs, stride_br,
                             stride_yt, MAX_RANK, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, NUM_NB,
                             BLOCK_N, BLOCK_R, MULTI_R, PDL)
@@ -633,22 +629,24 @@ def triton_expand(
     )
 
 
-def _shrink_table(one_token_segments: bool, max_rank: int) -> tuple:
-    """The shrink's tuning rows for a batch: when every segment is one token, the one-token
-    table's rows come first, and ahead of them the wide-rank table's in pools of a max rank of at
-    least WIDE_RANK. A hint about speed only: every row computes every batch."""
+def _rows(general: tuple, one_token: tuple, wide_rank: tuple, one_token_segments: bool,
+          max_rank: int) -> tuple:
+    """A kernel's tuning rows for a batch: when every segment is one token, the one-token rows
+    come first, and ahead of them the wide-rank rows in pools of a max rank of at least
+    WIDE_RANK. A hint about speed only: every row computes every batch."""
     if not one_token_segments:
-        return SHRINK_TABLE
-    wide = SHRINK_WIDE_RANK_TABLE if max_rank >= WIDE_RANK else ()
-    return wide + SHRINK_ONE_TOKEN_TABLE + SHRINK_TABLE
+        return general
+    return (wide_rank if max_rank >= WIDE_RANK else ()) + one_token + general
+
+
+def _shrink_table(one_token_segments: bool, max_rank: int) -> tuple:
+    return _rows(SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_WIDE_RANK_TABLE,
+                 one_token_segments, max_rank)
 
 
 def _expand_table(one_token_segments: bool, max_rank: int) -> tuple:
-    """The expand's rows for a batch, as `_shrink_table`."""
-    if not one_token_segments:
-        return EXPAND_TABLE
-    wide = EXPAND_WIDE_RANK_TABLE if max_rank >= WIDE_RANK else ()
-    return wide + EXPAND_ONE_TOKEN_TABLE + EXPAND_TABLE
+    return _rows(EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE, EXPAND_WIDE_RANK_TABLE,
+                 one_token_segments, max_rank)
 
 
 TABLES = {"shrink": _shrink_table, "expand": _expand_table}

@@ -222,15 +222,14 @@ class Scheduler:
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            n = min(request.num_pending_tokens, budget)
             if request.adapter is not None:
                 if slot_blocked and not self.adapters.is_resident(request.adapter):
                     continue
                 try:
                     if not self.adapters.prepare(request.adapter):
                         continue  # still being read from disk; later requests may go first
-                    prefill = min(request.num_pending_tokens, budget)
-                    if (self.running
-                            and not self.adapters.copy_settled(request.adapter, prefill)):
+                    if self.running and not self.adapters.copy_settled(request.adapter, n):
                         continue  # a long copy still arriving: admitted a step later instead
                     slot = self.adapters.acquire(request.adapter)
                 except AdapterLoadError as e:
@@ -243,7 +242,6 @@ class Scheduler:
                     slot_blocked = True
                     continue
                 request.slot = slot
-            n = min(request.num_pending_tokens, budget)
             held = len(request.block_table)
             need = blocks_for(request.num_computed_tokens + n, self.blocks.block_size) - held
             if self.running and self.blocks.num_free - need < reserve:
