@@ -372,13 +372,6 @@ def sweep(args: argparse.Namespace) -> None:
                 (1024, 32, 8, 4, 128), (1024, 16, 4, 2, 128),
             )
         ]
-        if base_e.block_m == 1:  # one-token items of several column blocks for lower ranks
-            expands += [
-                replace(base_e, block_n=bn, block_r=br, num_warps=w, programs_per_sm=pps,
-                        max_tile=None, tile_n=None, rank_groups=True)
-                for bn, br, w, pps in ((1024, 16, 4, 4), (1024, 32, 4, 4), (512, 16, 2, 16),
-                                       (256, 16, 1, 32), (64, 64, 1, 32))
-            ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
         for kind, candidates, layer_fn in (
             ("shrink", shrinks, shrink_layer),

@@ -129,13 +129,6 @@ def _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _rank_group(rank, MAX_STEPS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Column blocks per one-token expand item for a slot of `rank` (`_expand_rank_groups`):
-    the pool's max rank steps over the slot's own."""
-    return MAX_STEPS // tl.maximum((rank + BLOCK_R - 1) // BLOCK_R, 1)
-
-
-@triton.jit
 def _slot_value(slot, slot_ids, values):
     """values[slot] for a table held in registers (slot_ids = arange over the slots)."""
     return tl.sum(tl.where(slot_ids == slot, values, 0), axis=0)
@@ -414,46 +407,6 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, strid
 
 
 @triton.jit
-def _expand_rank_groups(h_ptr, b_ptr, y_ptr, slot_ranks_ptr, starts, ends, slots, tiles,
-                        slot_ids, slot_ranks, slot_scales, stride_ht, stride_bs, stride_br,
-                        stride_yt, MAX_RANK: tl.constexpr, O_1: tl.constexpr, O_2: tl.constexpr,
-                        O_3: tl.constexpr, O_4: tl.constexpr, NB_1: tl.constexpr,
-                        NB_2: tl.constexpr, NB_3: tl.constexpr, NUM_NB: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr,
-                        PDL: tl.constexpr):
-    """The expand over one-token tiles (BLOCK_M = 1), an item per (token, run of column
-    blocks): a slot of fewer rank steps than the pool's max rank takes proportionally more
-    blocks per item (max steps // its steps), so in a batch of mixed ranks every item runs about
-    the same chain of dependent reads, and a wave of items no longer lasts as long as its
-    max-rank items while the others sit idle. Each column of each token is still written by one
-    item alone."""
-    max_steps = (MAX_RANK + BLOCK_R - 1) // BLOCK_R
-    # per segment: its slot's rank (a gather from the slot table, which no kernel before this
-    # one writes: read before `gdc_wait`; segments past the count have no tiles)
-    seg_ranks = tl.load(slot_ranks_ptr + slots)
-    seg_group = _rank_group(seg_ranks, max_steps, BLOCK_R)
-    seg_items = tl.where(seg_ranks > 0, (NUM_NB + seg_group - 1) // seg_group, 0) * tiles
-    items_incl = tl.cumsum(seg_items, axis=0)
-    num_items = tl.sum(seg_items, axis=0)
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        start, _, slot, local = _locate_item(item, starts, ends, slots, seg_items, items_incl)
-        rank = _slot_value(slot, slot_ids, slot_ranks)
-        scale = _slot_value(slot, slot_ids, slot_scales)
-        group = _rank_group(rank, max_steps, BLOCK_R)
-        per_token = (NUM_NB + group - 1) // group
-        row = (start + local // per_token).to(tl.int64)
-        nb_lo = (local % per_token) * group
-        b_slot = b_ptr + slot.to(tl.int64) * stride_bs
-        for g in range(0, tl.minimum(group, NUM_NB - nb_lo)):
-            nb = nb_lo + g
-            sl, col0, col_end = _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_N)
-            cols = col0 + tl.arange(0, BLOCK_N)
-            _expand_token(row, cols, cols < col_end, rank, scale,
-                          h_ptr + (sl * MAX_RANK).to(tl.int64), b_slot, y_ptr, stride_ht,
-                          stride_br, stride_yt, BLOCK_N, BLOCK_R, MULTI_R, PDL)
-
-
-@triton.jit
 def _sgmv_expand_kernel(
     h_ptr,  # [T, NUM_SLICES * MAX_RANK]
     b_ptr,  # [num_slots, MAX_RANK, O_4] (rank-major)
@@ -486,7 +439,6 @@ def _sgmv_expand_kernel(
     TILE_N: tl.constexpr,  # columns per tile product (tiles of several tokens); divides BLOCK_N
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    RANK_GROUPS: tl.constexpr = False,  # one-token items of several column blocks (see below)
 ):
     if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
         gdc_launch_dependents()
@@ -497,16 +449,10 @@ def _sgmv_expand_kernel(
     slot_live = slot_ids < num_slots
     slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_live, other=0)
     slot_scales = tl.load(slot_scalings_ptr + slot_ids, mask=slot_live, other=0.0)
-    if RANK_GROUPS:
-        _expand_rank_groups(h_ptr, b_ptr, y_ptr, slot_ranks_ptr, starts, ends, slots, tiles,
-                            slot_ids, slot_ranks, slot_scales, stride_ht, stride_bs, stride_br,
-                            stride_yt, MAX_RANK, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, NUM_NB,
-                            BLOCK_N, BLOCK_R, MULTI_R, PDL)
-    else:
-        _expand_items(h_ptr, b_ptr, y_ptr, starts, ends, slots, tiles, tiles_incl, slot_ids,
-                      slot_ranks, slot_scales, stride_ht, stride_bs, stride_br, stride_yt,
-                      MAX_RANK, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, NUM_NB, BLOCK_M, BLOCK_N,
-                      BLOCK_R, MULTI_R, TILE_N, PRECISION, PDL)
+    _expand_items(h_ptr, b_ptr, y_ptr, starts, ends, slots, tiles, tiles_incl, slot_ids,
+                  slot_ranks, slot_scales, stride_ht, stride_bs, stride_br, stride_yt,
+                  MAX_RANK, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, NUM_NB, BLOCK_M, BLOCK_N,
+                  BLOCK_R, MULTI_R, TILE_N, PRECISION, PDL)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
@@ -723,7 +669,6 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_R=block_r,
         MULTI_R=max_rank > block_r,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
-        RANK_GROUPS=t.rank_groups,
     )
     return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
 

@@ -102,14 +102,9 @@ class ExpandTiling:
     # Columns per tile product for tiles of several tokens, a power of two (None: block_n);
     # tiles of one token take the whole block in one matrix-vector product.
     tile_n: int | None = None
-    # One-token tiles only: an item takes (max rank steps // its slot's rank steps) column blocks,
-    # so items of mixed ranks run chains of about equal length. False: a block per item.
-    rank_groups: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_n", self.tile_n)
-        if self.rank_groups and self.block_m != 1:
-            raise ValueError("rank_groups takes one-token tiles (block_m 1)")
 
 
 def _check_tile_step(name: str, value: int | None) -> None:

@@ -128,19 +128,8 @@ def unsplit_tiles() -> tuple:
     )
 
 
-def rank_group_tiles() -> tuple:
-    """One-token expand items of several column blocks, as many as the pool's max rank takes
-    rank steps over the slot's: narrow blocks, so the wider slices take several items."""
-    shrink, _ = unsplit_tiles()
-    return (
-        shrink,
-        ((None, ExpandTiling(1, 16, 16, num_warps=4, num_stages=1, programs_per_sm=3,
-                             rank_groups=True)),),
-    )
-
-
 TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles,
-           "token": token_tiles, "unsplit": unsplit_tiles, "rank_groups": rank_group_tiles}
+           "token": token_tiles, "unsplit": unsplit_tiles}
 
 
 @pytest.fixture(params=["default", *TILINGS])
@@ -493,13 +482,6 @@ class TestTilingRows:
         with pytest.raises(ValueError, match="power of two"):
             ExpandTiling(16, 512, 16, num_warps=4, num_stages=1, programs_per_sm=16,
                          tile_n=step)
-
-    def test_rank_groups_only_for_one_token_tiles(self):
-        assert ExpandTiling(1, 64, 16, num_warps=1, num_stages=1, programs_per_sm=8,
-                            rank_groups=True).rank_groups
-        with pytest.raises(ValueError, match="rank_groups"):
-            ExpandTiling(16, 64, 16, num_warps=1, num_stages=1, programs_per_sm=8,
-                         rank_groups=True)
 
     def test_whole_row_items_only_for_one_token_tiles(self):
         with pytest.raises(ValueError, match="max_a_block"):
