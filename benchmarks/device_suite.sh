@@ -103,9 +103,9 @@ for s in "$@"; do
                 --popularity distinct,uniform --resident --name churn_32x_r128_chat ;;
         churn128-large)  # 128 rank-128 adapters, host cache of 32 (21 GB pinned): reads of 671 MB
             # join the churn; no all-resident run (128 slots of 671 MB do not fit the GPU)
-            churn churn128-large 400 --num-adapters 128 --rank 128 --slots 8 --host-cache 32 \
+            churn churn128-large 540 --num-adapters 128 --rank 128 --slots 8 --host-cache 32 \
                 --rate 4 --num-requests 48 --input-len 256:1024 --output-len 16:64 \
-                --kv-blocks 2048 --popularity uniform --name churn_128x_r128 ;;
+                --kv-blocks 2048 --popularity uniform,skewed --name churn_128x_r128 ;;
         churn128)  # a host cache of 32: disk reads join the churn
             churn churn128 300 --num-adapters 128 --rank 16 --slots 8 --host-cache 32 --rate 4 \
                 --num-requests 80 --popularity uniform,skewed ;;
