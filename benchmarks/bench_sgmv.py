@@ -340,7 +340,7 @@ def sweep(args: argparse.Namespace) -> None:
         # block_m 16: 16-token tiles with split-K
         shrinks = [base_s] + [
             replace(base_s, block_m=bm, block_n=bn, block_k=bk, k_per_split=kps, num_warps=w,
-                    num_stages=st, programs_per_sm=pps, max_a_block=ma)
+                    num_stages=st, programs_per_sm=pps, max_a_block=ma, live_items=False)
             for bm, bn, bk, kps, w, st, pps, ma in (
                 (1, 16, 16384, NO_SPLIT, 4, 1, 8, 4096),
                 # several whole rows of A per one-token item (fewer, larger reads), other
@@ -351,6 +351,16 @@ def sweep(args: argparse.Namespace) -> None:
                 (16, 32, 256, 1024, 8, 3, 8, None), (16, 32, 256, 1024, 4, 1, 16, None),
                 (16, 32, 256, 1024, 8, 2, 4, None), (16, 16, 256, 1024, 8, 3, 8, None),
             )
+        ]
+        # items only below each slot's rank (one-token rows)
+        shrinks += [
+            replace(base_s, block_m=1, block_n=16, block_k=16384, k_per_split=NO_SPLIT,
+                    num_warps=w, num_stages=1, programs_per_sm=pps, max_a_block=ma,
+                    tile_k=None, live_items=lv)
+            for ma, w, pps, lv in ((32768, 8, 2, False), (32768, 8, 2, True),
+                                   (32768, 8, 3, True), (65536, 8, 2, True),
+                                   (65536, 8, 1, True), (65536, 16, 1, True),
+                                   (65536, 16, 2, True), (32768, 16, 1, True))
         ]
         # B is rank-major ([slots, R, out]): a one-token item's sum over the rank stays inside
         # each thread only where the block's columns span every thread (8 x 32 x num_warps);

@@ -278,6 +278,39 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
 
 
 @triton.jit
+def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, starts, ends,
+                       slots, slot_ids, slot_ranks, num_tokens, K, stride_xt, stride_as,
+                       stride_ar, stride_ht, MAX_RANK: tl.constexpr, NUM_COLS: tl.constexpr,
+                       NUM_CB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                       PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr):
+    """The shrink over one-token tiles without split-K, with items only for the column blocks
+    below each slot's rank: a token of rank r has ceil(r / BLOCK_N) blocks in each slice (BLOCK_N
+    divides MAX_RANK), so in a pool of a wide max rank a low-rank token no longer leaves most of
+    its items empty, and the programs' strides over the items meet only real reads. h's columns
+    at or past a slot's rank are left unwritten: the expand reads none of them."""
+    num_slices: tl.constexpr = NUM_COLS // MAX_RANK
+    per_slice: tl.constexpr = MAX_RANK // BLOCK_N
+    # per segment: its slot's rank, a gather from the slot table, which no kernel before this
+    # one writes (read before `gdc_wait`; segments past the count have no tokens)
+    seg_live = (tl.load(slot_ranks_ptr + slots) + BLOCK_N - 1) // BLOCK_N * num_slices
+    seg_items = seg_live * (ends - starts)
+    items_incl = tl.cumsum(seg_items, axis=0)
+    num_items = tl.sum(seg_items, axis=0)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        start, _, slot, local = _locate_item(item, starts, ends, slots, seg_items, items_incl)
+        rank = _slot_value(slot, slot_ids, slot_ranks)
+        live = (rank + BLOCK_N - 1) // BLOCK_N  # column blocks per slice
+        row = start + local // (live * num_slices)
+        block = local % (live * num_slices)
+        cb = block // live * per_slice + block % live
+        _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, row, row + 1, slot.to(tl.int64),
+                     rank, 0, cb, 0, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
+                     MAX_RANK, NUM_COLS, NUM_CB, 1, BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, 1,
+                     EVEN_K, PRECISION, PDL, PRELOAD_A)
+
+
+@triton.jit
 def _sgmv_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [num_slots, NUM_COLS, K]
@@ -310,6 +343,7 @@ def _sgmv_shrink_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
+    LIVE_ITEMS: tl.constexpr = False,  # one-token tiles: items only below the slot's rank
 ):
     if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
         gdc_launch_dependents()
@@ -321,17 +355,25 @@ def _sgmv_shrink_kernel(
     # Under PDL the previous kernel may still be running: x, h, the partials and the counters
     # are its to write or read until `gdc_wait`, which every item path calls before touching
     # them (after reading its A block, where the item is one hidden step).
-    num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        ks = item % SPLIT_K
-        cb = (item // SPLIT_K) % NUM_CB
-        j = item // (SPLIT_K * NUM_CB)
-        first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M)
-        rank = _slot_value(slot, slot_ids, slot_ranks)
-        _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
-                     slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt, stride_as,
-                     stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M, BLOCK_N, BLOCK_K,
-                     TILE_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL, PRELOAD_A)
+    if LIVE_ITEMS:
+        _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, starts,
+                           ends, slots, slot_ids, slot_ranks, num_tokens, K, stride_xt,
+                           stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_N,
+                           BLOCK_K, TILE_K, K_PER_SPLIT, EVEN_K, PRECISION, PDL, PRELOAD_A)
+    else:
+        num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
+        for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+            ks = item % SPLIT_K
+            cb = (item // SPLIT_K) % NUM_CB
+            j = item // (SPLIT_K * NUM_CB)
+            first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl,
+                                                    BLOCK_M)
+            rank = _slot_value(slot, slot_ids, slot_ranks)
+            _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
+                         slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt,
+                         stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M,
+                         BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL,
+                         PRELOAD_A)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
@@ -504,7 +546,9 @@ _EXPAND = CachedLaunch(_sgmv_expand_kernel)
 def triton_shrink(
     x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
 ) -> torch.Tensor:
-    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] (base-model rows unspecified)."""
+    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] (base-model rows unspecified; the
+    columns at or past a token's slot rank zeros, or unspecified under a `live_items` row: the
+    expand reads none of them)."""
     num_tokens, hidden = x.shape
     num_cols = a.shape[1]
     assert a.dim() == 3 and a.shape[2] == hidden, f"a {tuple(a.shape)} vs x {tuple(x.shape)}"
@@ -647,6 +691,8 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         SPLIT_K=split_k,
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
+        LIVE_ITEMS=(t.live_items and t.block_m == 1 and split_k == 1
+                    and max_rank % block_n == 0),
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
     return _Plan(grid, constants, split_k, bound_tiles * num_cb)

@@ -80,9 +80,14 @@ class ShrinkTiling:
     # (block_m 1) without split-K: a wide hidden size (the down projection's) gets fewer
     # columns per item, so whole rows of A still fit one program's registers. None: block_n.
     max_a_block: int | None = None
+    # One-token tiles without split-K: items only for the column blocks below each slot's rank
+    # (where the block width divides the pool's max rank), instead of every block of the pool.
+    live_items: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_k", self.tile_k)
+        if self.live_items and self.block_m != 1:
+            raise ValueError("live_items takes one-token tiles (block_m 1)")
         if self.max_a_block is not None and self.block_m >= 16:
             raise ValueError("max_a_block narrows column blocks below tl.dot's 16 columns: "
                              "only for rows of one-token tiles (block_m < 16)")
@@ -118,7 +123,9 @@ NO_SPLIT = 1 << 30
 
 # (max tokens or None, tiling), first match wins.
 # Whole rows of A per one-token item: up to 16 tokens two rows of a 4,096-wide group over 8 warps,
-# for 17-128 eight rows over 4 warps and 4 programs per SM (down: one row, two).
+# for 17-128 eight rows over 8 warps and 2 programs per SM (down: one row, two). `bench_sgmv
+# --sweep --sweep-kernel shrink` (H100, 2026-11-24, shrink alone over a layer, us/layer, 4 warps
+# at 4 per SM -> 8 at 2): B = D = 64 rank 16 38.2 -> 35.2.
 _SHRINK_FEW_TOKENS = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1,
                                   programs_per_sm=8, max_a_block=8192)
 
@@ -133,10 +140,11 @@ SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 # Rows for batches whose every segment is one token (decode over distinct adapters), ahead of
 # SHRINK_TABLE's: `triton_shrink` searches this table first for such batches, and falls through
 # to SHRINK_TABLE's rows past its bounds.
+_SHRINK_ONE_TOKEN = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1,
+                                 programs_per_sm=2, max_a_block=32768)
 SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (16, _SHRINK_FEW_TOKENS),
-    (128, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
-                       max_a_block=32768)),
+    (128, _SHRINK_ONE_TOKEN),
 )
 
 # Tiles of one token over 1024 columns: up to 16 tokens for every batch (no second CUDA graph
@@ -167,12 +175,18 @@ EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 # `bench_sgmv --sweep --sweep-cases 11,12` (H100, 2026-11-24, each kernel alone over a layer,
 # us/layer, the few-token rows above -> these): B = 8 over 8 rank-64 adapters shrink 23.6 -> 19.8,
 # expand 27.7 -> 21.5; over ranks 8-64 shrink 12.5 -> 11.2, expand 21.5 -> 13.8. One token keeps
-# the few-token rows (not measured with these).
+# the few-token rows (not measured with these). At 17-128 tokens the shrink's items cover only the
+# column blocks below each slot's rank (`live_items`): in a pool of max rank 64 a rank-8 token
+# otherwise takes eight blocks of a slice where one is live, and the programs' strides over the
+# items meet the empty ones unevenly. B = D = 64 over ranks 8-64, same run: 62.2 (table row)
+# -> 67.8 (8 warps at 2 per SM) -> 58.9 (the same with live items); at rank 16, where no block
+# is empty, live items cost 35.2 -> 35.8, so only the wide-rank table takes them.
 WIDE_RANK = 64
 SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (1, _SHRINK_FEW_TOKENS),
     (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
                       max_a_block=16384)),
+    (128, replace(_SHRINK_ONE_TOKEN, live_items=True)),
 )
 EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (1, _EXPAND_ONE_TOKEN),

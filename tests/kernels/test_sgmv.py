@@ -128,8 +128,19 @@ def unsplit_tiles() -> tuple:
     )
 
 
+def live_tiles() -> tuple:
+    """Decode tiles of one token without split-K whose items cover only the column blocks
+    below each slot's rank (one or two rows of A per item, so a slot takes several)."""
+    _, expand = unsplit_tiles()
+    return (
+        ((None, ShrinkTiling(1, 16, 64, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=3,
+                             max_a_block=128, live_items=True)),),
+        expand,
+    )
+
+
 TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles,
-           "token": token_tiles, "unsplit": unsplit_tiles}
+           "token": token_tiles, "unsplit": unsplit_tiles, "live": live_tiles}
 
 
 @pytest.fixture(params=["default", *TILINGS])
@@ -211,6 +222,12 @@ def poison_unread(h: torch.Tensor, batch: SgmvBatch, max_rank: int) -> torch.Ten
     return h
 
 
+def read_by_expand(batch: SgmvBatch, num_tokens: int, num_cols: int, max_rank: int):
+    """The entries of h the expand reads (segment rows, columns below their slot's rank): all
+    that the shrink promises."""
+    return ~torch.isnan(poison_unread(torch.zeros(num_tokens, num_cols), batch, max_rank))
+
+
 def poison_past_rank(a: torch.Tensor, b: torch.Tensor, ranks: list[int], n: int):
     """NaN in the weights past each slot's rank: the kernels must not read them (true-rank cost)."""
     a, b = a.clone(), b.clone()
@@ -250,7 +267,8 @@ class TestTritonMatchesReference:
         h = sgmv_triton.triton_shrink(x, a_poisoned, batch, n)
         h_ref = torch_shrink(x, a, batch, n)
         assert h.shape == h_ref.shape
-        assert_close(h[inside], h_ref[inside])  # every column, zeros past the rank included
+        read = read_by_expand(batch, x.shape[0], h.shape[1], max_rank)
+        assert_close(h[read], h_ref[read])
 
         y_ref = y.clone()
         torch_expand(h_ref, b, batch, y_ref, layout.out_offsets)
@@ -293,9 +311,9 @@ class TestTritonMatchesReference:
         layout = LAYOUTS["single"]
         batch, a, b, x, y, _ = run_case(layout, "decode_distinct")
         first = sgmv_triton.triton_shrink(x, a, batch, 1)
-        inside = segment_rows(batch, x.shape[0])
+        read = read_by_expand(batch, x.shape[0], first.shape[1], first.shape[1])
         for _ in range(3):
-            assert torch.equal(sgmv_triton.triton_shrink(x, a, batch, 1)[inside], first[inside])
+            assert torch.equal(sgmv_triton.triton_shrink(x, a, batch, 1)[read], first[read])
 
     def test_graph_style_padded_segments(self, tiling):
         """Decode graphs pass a fixed segment count; unused segments are empty (equal bounds) and
@@ -323,7 +341,8 @@ class TestTritonMatchesReference:
         y = torch.randn(bucket, sum(layout.outs), device=DEVICE)
         h = sgmv_triton.triton_shrink(x, a, padded, 3)
         h_ref = torch_shrink(x, a, real, 3)
-        assert_close(h[:6], h_ref[:6])
+        read = read_by_expand(real, bucket, h.shape[1], 16)
+        assert_close(h[read], h_ref[read])
         y_out, y_ref = y.clone(), y.clone()
         sgmv_triton.triton_expand(h, b, padded, y_out, layout.out_offsets)
         torch_expand(h_ref, b, real, y_ref, layout.out_offsets)
@@ -403,8 +422,13 @@ class TestLaunchers:
             # not below WIDE_RANK, not for segments of several tokens, not past the rows' bound
             assert pick(table(True, wide // 2), 8) == pick(table(True, 16), 8)
             assert pick(table(False, wide), 8) == pick(table(False, 16), 8)
-            assert pick(table(True, wide), 64) == pick(table(True, 16), 64)
+            assert pick(table(True, wide), 200) == pick(table(True, 16), 200)
             assert sgmv_triton.kernel_variant_differs(kernel, 8, wide)
+        # 17-128 one-token tokens: the shrink's items only below each rank, in wide pools alone
+        assert pick(sgmv_triton._shrink_table(True, wide), 64).live_items
+        assert not pick(sgmv_triton._shrink_table(True, 16), 64).live_items
+        assert pick(sgmv_triton._expand_table(True, wide), 64) == pick(
+            sgmv_triton._expand_table(True, 16), 64)
         # so a pool of a wide rank captures both graph variants at 8 tokens, one at a single token
         assert sgmv_triton.one_token_variant_differs(8, wide)
         assert not sgmv_triton.one_token_variant_differs(1, wide)
@@ -577,8 +601,9 @@ class TestOnGpu:
         y = torch.randn(num_tokens, sum(layout.outs), device=DEVICE, dtype=dtype)
         h = sgmv_triton.triton_shrink(x, a, batch, 3)
         h_ref = torch_shrink(x.float(), a.float(), batch, 3)
+        read = read_by_expand(batch, num_tokens, h.shape[1], max_rank).to(DEVICE)
+        torch.testing.assert_close(h[read].float(), h_ref[read], atol=2e-2, rtol=2e-2)
         inside = segment_rows(batch, num_tokens)
-        torch.testing.assert_close(h[inside].float(), h_ref[inside], atol=2e-2, rtol=2e-2)
         y_out, y_ref = y.clone(), y.float()
         sgmv_triton.triton_expand(h, b, batch, y_out, layout.out_offsets)
         torch_expand(h.float(), b.float(), batch, y_ref, layout.out_offsets)
