@@ -43,7 +43,10 @@ class TestClient:
         assert record.output_tokens == 12 and record.num_chunks == 12
         assert len(record.itl_s) == 11
         assert sum(record.itl_s) / 11 >= TOKEN_DELAY_S * 0.9
-        assert sum(record.itl_s) == pytest.approx(record.e2e_s - record.ttft_s, abs=0.005)
+        # the gaps span first token to last; the stream's end (usage, [DONE]) follows the last
+        # token at once, but a loaded machine may take a few scheduler ticks to read it
+        tail_s = record.e2e_s - record.ttft_s - sum(record.itl_s)
+        assert -1e-9 <= tail_s < 0.05
         assert record.prompt_tokens == 3
         assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 11)
 
