@@ -23,7 +23,8 @@
 # Stage lengths seen on an H100: decode 72 s, sgmv-quick 35 s, churn16 349 s (48 requests a
 # cell), churn-large ~520 s (80 a cell; 125 s of it builds the first engine, 126 s the
 # all-resident one: run it alone in a call), churn128 132 s (40 a cell), churn-chat 447 s,
-# churn-chat-128 468 s, churn-chat-busy 316 s. `tests` takes 200-450 s,
+# churn-chat-128 468 s, churn-chat-busy 316 s, churn128-large 229-282 s (the first engine's build
+# takes 110 s on a fresh machine), churn-large 343 s on a warm one. `tests` takes 200-450 s,
 # most of it compiling kernels (the float32 engine test alone 75 s); it once sat in an SGMV
 # launch of its warm-up for over 140 s (float32 tiles are capped since).
 #
