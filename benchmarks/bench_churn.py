@@ -275,6 +275,9 @@ def copy_bandwidth(engine: Engine, adapter: str) -> dict:
         "write_GBps": weights.nbytes / write_s / 1e9,
         "pinned_copy_GBps": weights.nbytes / plain_s / 1e9,
         "ratio": plain_s / write_s,
+        # one adapter's write: a request whose adapter is cold on arrival, with no hint ahead of
+        # it, waits at least this long for its first token under any loading scheme
+        "write_ms": write_s * 1e3,
     }
 
 
