@@ -352,7 +352,8 @@ def sweep(args: argparse.Namespace) -> None:
                 (16, 32, 256, 1024, 8, 2, 4, None), (16, 16, 256, 1024, 8, 3, 8, None),
             )
         ]
-        # items only below each slot's rank (one-token rows)
+        # one-token rows over 8 or 16 warps at 1-3 per SM, with and without items only below
+        # each slot's rank (live_items)
         shrinks += [
             replace(base_s, block_m=1, block_n=16, block_k=16384, k_per_split=NO_SPLIT,
                     num_warps=w, num_stages=1, programs_per_sm=pps, max_a_block=ma,

@@ -491,23 +491,6 @@ def _sgmv_expand_kernel(
     slot_live = slot_ids < num_slots
     slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_live, other=0)
     slot_scales = tl.load(slot_scalings_ptr + slot_ids, mask=slot_live, other=0.0)
-    _expand_items(h_ptr, b_ptr, y_ptr, starts, ends, slots, tiles, tiles_incl, slot_ids,
-                  slot_ranks, slot_scales, stride_ht, stride_bs, stride_br, stride_yt,
-                  MAX_RANK, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, NUM_NB, BLOCK_M, BLOCK_N,
-                  BLOCK_R, MULTI_R, TILE_N, PRECISION, PDL)
-    if PDL:  # a program without items still waits: no kernel ends before the one it follows
-        gdc_wait()
-
-
-@triton.jit
-def _expand_items(h_ptr, b_ptr, y_ptr, starts, ends, slots, tiles, tiles_incl, slot_ids,
-                  slot_ranks, slot_scales, stride_ht, stride_bs, stride_br, stride_yt,
-                  MAX_RANK: tl.constexpr, O_1: tl.constexpr, O_2: tl.constexpr,
-                  O_3: tl.constexpr, O_4: tl.constexpr, NB_1: tl.constexpr, NB_2: tl.constexpr,
-                  NB_3: tl.constexpr, NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr,
-                  TILE_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """The expand's items, one per (tile, column block)."""
     # Under PDL, h and y are the previous kernels' until `gdc_wait`: an item reads its first
     # block of B before waiting, so the weight read overlaps the kernel before.
     num_items = tl.sum(tiles, axis=0) * NUM_NB
@@ -536,6 +519,8 @@ def _expand_items(h_ptr, b_ptr, y_ptr, starts, ends, slots, tiles, tiles_incl, s
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
                               b_slot, y_ptr, stride_ht, stride_br, stride_yt,
                               BLOCK_N, BLOCK_R, MULTI_R, PDL)
+    if PDL:  # a program without items still waits: no kernel ends before the one it follows
+        gdc_wait()
 
 
 # Eager steps launch each kernel once per layer with the same plan: skip Triton's dispatch.
@@ -691,8 +676,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         SPLIT_K=split_k,
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
-        LIVE_ITEMS=(t.live_items and t.block_m == 1 and split_k == 1
-                    and max_rank % block_n == 0),
+        LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
     return _Plan(grid, constants, split_k, bound_tiles * num_cb)
