@@ -507,6 +507,11 @@ class TestTilingRows:
             ExpandTiling(16, 512, 16, num_warps=4, num_stages=1, programs_per_sm=16,
                          tile_n=step)
 
+    def test_live_items_only_for_one_token_tiles(self):
+        with pytest.raises(ValueError, match="live_items"):
+            ShrinkTiling(16, 32, 256, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
+                         live_items=True)
+
     def test_whole_row_items_only_for_one_token_tiles(self):
         with pytest.raises(ValueError, match="max_a_block"):
             ShrinkTiling(16, 32, 256, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
