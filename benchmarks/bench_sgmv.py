@@ -303,6 +303,12 @@ SWEEP_EXTRA = [  # --sweep-cases 6 and 7: many tokens over few adapters, one til
     # 11-12: B = 8 over 8 adapters of a pool of rank 64: one rank, and ranks 8-64
     Case("decode", (1,) * 8, (64,) * 8, "64"),
     Case("decode", (1,) * 8, tuple(MIXED_RANKS[i % 4] for i in range(8)), "mixed"),
+    # 13-16: the latency cells past 10 us: one token of rank 64, 8 tokens over one adapter of
+    # rank 64 and of rank 16, 8 tokens over 8 rank-8 adapters
+    Case("decode", (1,), (64,), "64"),
+    Case("decode", (8,), (64,), "64"),
+    Case("decode", (8,), (16,), "16"),
+    Case("decode", (1,) * 8, (8,) * 8, "8"),
 ]
 
 
@@ -381,6 +387,16 @@ def sweep(args: argparse.Namespace) -> None:
                 # steps over 4 (fewer dependent steps for large ranks)
                 (2048, 16, 8, 4, 128), (2048, 16, 8, 8, 128), (1024, 32, 4, 4, 128),
                 (1024, 32, 8, 4, 128), (1024, 16, 4, 2, 128),
+            )
+        ]
+        # 16-token tiles (tile products): a segment of several tokens reads its B block once
+        expands += [
+            replace(base_e, block_m=16, block_n=bn, block_r=br, num_warps=w, programs_per_sm=pps,
+                    tile_n=tn, max_tile=None)
+            for bn, br, w, pps, tn in (
+                (64, 16, 1, 32, 64), (64, 64, 1, 32, 64), (128, 16, 1, 32, 128),
+                (128, 64, 2, 16, 128), (128, 64, 4, 8, 128), (128, 32, 2, 16, 64),
+                (256, 16, 2, 16, 128), (256, 64, 4, 8, 128), (512, 16, 4, 8, 128),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
@@ -515,15 +531,15 @@ def inspect(args: argparse.Namespace) -> None:
 def only_rows(shrink=None, expand=None):
     """Every launch inside takes these tilings (None: the kernel's tables as they are)."""
     from kernels import sgmv_triton
+    from kernels.sgmv_tuning import TABLE_NAMES
 
     names = [f"{k}_{t}" for k in ("SHRINK", "EXPAND")
-             for t in ("TABLE", "ONE_TOKEN_TABLE", "WIDE_RANK_TABLE")]
+             for t in TABLE_NAMES]
     saved = {n: getattr(sgmv_triton, n) for n in names}
     for kernel, tiling in (("SHRINK", shrink), ("EXPAND", expand)):
         if tiling is not None:
-            setattr(sgmv_triton, f"{kernel}_TABLE", ((None, tiling),))
-            setattr(sgmv_triton, f"{kernel}_ONE_TOKEN_TABLE", ())
-            setattr(sgmv_triton, f"{kernel}_WIDE_RANK_TABLE", ())
+            for t in TABLE_NAMES:
+                setattr(sgmv_triton, f"{kernel}_{t}", ((None, tiling),) if t == "TABLE" else ())
     try:
         yield
     finally:

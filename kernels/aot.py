@@ -140,8 +140,8 @@ def table_token_counts() -> list[int]:
     """One token count per row of either table (each row's bound, 4096 for the open row)."""
     from kernels import sgmv_tuning as t
 
-    rows = (t.SHRINK_TABLE + t.SHRINK_ONE_TOKEN_TABLE + t.SHRINK_WIDE_RANK_TABLE + t.EXPAND_TABLE
-            + t.EXPAND_ONE_TOKEN_TABLE + t.EXPAND_WIDE_RANK_TABLE)
+    rows = sum((getattr(t, f"{kernel}_{table}") for kernel in ("SHRINK", "EXPAND")
+                for table in t.TABLE_NAMES), ())
     bounds = {b if b is not None else 4096 for b, _ in rows}
     return sorted(bounds | {1})
 

@@ -65,9 +65,11 @@ from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
 from kernels.sgmv_tuning import (
     EXPAND_ONE_TOKEN_TABLE,
     EXPAND_TABLE,
+    EXPAND_WIDE_RANK_ONE_TOKEN_TABLE,
     EXPAND_WIDE_RANK_TABLE,
     SHRINK_ONE_TOKEN_TABLE,
     SHRINK_TABLE,
+    SHRINK_WIDE_RANK_ONE_TOKEN_TABLE,
     SHRINK_WIDE_RANK_TABLE,
     WIDE_RANK,
     pick,
@@ -604,24 +606,24 @@ def triton_expand(
     )
 
 
-def _rows(general: tuple, one_token: tuple, wide_rank: tuple, one_token_segments: bool,
-          max_rank: int) -> tuple:
-    """A kernel's tuning rows for a batch: when every segment is one token, the one-token rows
-    come first, and ahead of them the wide-rank rows in pools of a max rank of at least
-    WIDE_RANK. A hint about speed only: every row computes every batch."""
-    if not one_token_segments:
-        return general
-    return (wide_rank if max_rank >= WIDE_RANK else ()) + one_token + general
+def _rows(general: tuple, one_token: tuple, wide_rank: tuple, wide_rank_one_token: tuple,
+          one_token_segments: bool, max_rank: int) -> tuple:
+    """A kernel's tuning rows for a batch: in pools of a max rank of at least WIDE_RANK the
+    wide-rank rows first; when every segment is one token, the one-token rows ahead of the
+    others of their kind. A hint about speed only: every row computes every batch."""
+    wide = (wide_rank_one_token if one_token_segments else ()) + wide_rank
+    return ((wide if max_rank >= WIDE_RANK else ())
+            + (one_token if one_token_segments else ()) + general)
 
 
 def _shrink_table(one_token_segments: bool, max_rank: int) -> tuple:
     return _rows(SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_WIDE_RANK_TABLE,
-                 one_token_segments, max_rank)
+                 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE, one_token_segments, max_rank)
 
 
 def _expand_table(one_token_segments: bool, max_rank: int) -> tuple:
     return _rows(EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE, EXPAND_WIDE_RANK_TABLE,
-                 one_token_segments, max_rank)
+                 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE, one_token_segments, max_rank)
 
 
 TABLES = {"shrink": _shrink_table, "expand": _expand_table}

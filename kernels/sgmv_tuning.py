@@ -168,17 +168,25 @@ EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 )
 
 
-# Pools of a wide max rank (adapters of rank 64 and up): rows for batches whose every segment is
-# one token, ahead of the one-token tables'. Each item's bytes follow its slot's rank, and at
-# 2-16 tokens a rank-64 slot's items are few and heavy: the shrink reads four rows of A per item
-# over 4 warps, the expand narrow column blocks over whole 64-row rank steps on one warp.
-# `bench_sgmv --sweep --sweep-cases 11,12` (H100, 2026-11-24, each kernel alone over a layer,
-# us/layer, the few-token rows above -> these): B = 8 over 8 rank-64 adapters shrink 23.6 -> 19.8,
-# expand 27.7 -> 21.5; over ranks 8-64 shrink 12.5 -> 11.2, expand 21.5 -> 13.8. One token keeps
-# the few-token rows (not measured with these). At 17-128 tokens the shrink's items cover only the
-# column blocks below each slot's rank (`live_items`): in a pool of max rank 64 a rank-8 token
-# otherwise takes eight blocks of a slice where one is live, and the programs' strides over the
-# items meet the empty ones unevenly. B = D = 64 over ranks 8-64, same run: 62.2 (table row)
+# Pools of a wide max rank (adapters of rank 64 and up). Up to 16 tokens, rows for every batch,
+# ahead of the others: each item's bytes follow its slot's rank, and a rank-64 slot's items are
+# few and heavy, so the shrink reads four rows of A per item over 4 warps and the expand narrow
+# column blocks over whole 64-row rank steps on one warp; tiles of several tokens (a segment of
+# several requests on one adapter) take 16-row tile products over the same 64 columns, reading
+# B once, not once per token. `bench_sgmv --sweep --sweep-cases 11,12,13,14` (H100, 2026-11-24,
+# each kernel alone over a layer, us/layer, the few-token rows above -> these): B = 8 over 8
+# rank-64 adapters shrink 23.6 -> 19.8, expand 27.7 -> 21.5; over ranks 8-64 shrink 12.5 -> 11.2,
+# expand 21.5 -> 13.8; one rank-64 token expand 18.0 -> 5.3 (a 1024-column block over four rank
+# steps left qkv six items); 8 tokens over one rank-64 adapter shrink 14.8 -> 12.4, expand 19.5
+# -> 7.0 (one-token tiles: 12.4). Where every segment is one token the expand keeps one-token
+# tiles, which hold fewer registers: 8 over 8 rank-64 adapters 21.5 (16-token tiles 21.9), over
+# ranks 8-64 13.8 (14.1), one rank-64 token 5.3 (5.8). A 4-warp tile over 128 columns takes 8
+# tokens over one adapter to 6.3, but a one-token tile beside them in a batch would sum its rank
+# across warps (25 us/layer for one-token tiles there).
+# At 17-128 tokens, for batches whose every segment is one token, the shrink's items cover only
+# the column blocks below each slot's rank (`live_items`): in a pool of max rank 64 a rank-8
+# token otherwise takes eight blocks of a slice where one is live, and the programs' strides over
+# the items meet the empty ones unevenly. B = D = 64 over ranks 8-64, same run: 62.2 (table row)
 # -> 67.8 (8 warps at 2 per SM) -> 58.9 (the same with live items); at rank 16, where no block
 # is empty, live items cost 35.2 -> 35.8, so only the wide-rank table takes them.
 WIDE_RANK = 64
@@ -186,12 +194,22 @@ SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (1, _SHRINK_FEW_TOKENS),
     (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
                       max_a_block=16384)),
+)
+# (a one-token table of a kind comes first for its batches, so it repeats the rows it shares)
+EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
+    (16, ExpandTiling(16, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64)),
+)
+SHRINK_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
+    *SHRINK_WIDE_RANK_TABLE,
     (128, replace(_SHRINK_ONE_TOKEN, live_items=True)),
 )
-EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (1, _EXPAND_ONE_TOKEN),
+EXPAND_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, ExpandTiling(1, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64)),
 )
+
+
+# Each kernel's tables are named {SHRINK,EXPAND}_{name} for these names (tools swap them all).
+TABLE_NAMES = ("TABLE", "ONE_TOKEN_TABLE", "WIDE_RANK_TABLE", "WIDE_RANK_ONE_TOKEN_TABLE")
 
 
 # float32 is the checking dtype (the GPU tests compare it token for token with PEFT). Its products

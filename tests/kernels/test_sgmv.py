@@ -30,6 +30,7 @@ from kernels.sgmv_tuning import (  # noqa: E402
     NO_SPLIT,
     SHRINK_ONE_TOKEN_TABLE,
     SHRINK_TABLE,
+    TABLE_NAMES,
     ExpandTiling,
     ShrinkTiling,
     pick,
@@ -149,12 +150,10 @@ def tiling(request, monkeypatch):
         pytest.skip("triton is not importable")
     if request.param != "default":
         shrink, expand = TILINGS[request.param]()
-        monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
-        monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", ())
-        monkeypatch.setattr(sgmv_triton, "EXPAND_TABLE", expand)
-        monkeypatch.setattr(sgmv_triton, "EXPAND_ONE_TOKEN_TABLE", ())
-        monkeypatch.setattr(sgmv_triton, "SHRINK_WIDE_RANK_TABLE", ())
-        monkeypatch.setattr(sgmv_triton, "EXPAND_WIDE_RANK_TABLE", ())
+        for kernel, rows in (("SHRINK", shrink), ("EXPAND", expand)):
+            for name in TABLE_NAMES:
+                monkeypatch.setattr(sgmv_triton, f"{kernel}_{name}",
+                                    rows if name == "TABLE" else ())
     return request.param
 
 
@@ -411,27 +410,36 @@ class TestLaunchers:
         assert not sgmv_triton.one_token_variant_differs(8, 16)
         assert not sgmv_triton.one_token_variant_differs(1024, 16)
 
-    def test_wide_rank_pools_pick_their_rows_for_one_token_batches(self):
+    def test_wide_rank_pools_pick_their_rows(self):
         wide = sgmv_triton.WIDE_RANK
-        for kernel, table, wide_rows in (
-            ("shrink", sgmv_triton._shrink_table, sgmv_triton.SHRINK_WIDE_RANK_TABLE),
-            ("expand", sgmv_triton._expand_table, sgmv_triton.EXPAND_WIDE_RANK_TABLE),
+        for table, wide_rows in (
+            (sgmv_triton._shrink_table, sgmv_triton.SHRINK_WIDE_RANK_TABLE),
+            (sgmv_triton._expand_table, sgmv_triton.EXPAND_WIDE_RANK_TABLE),
         ):
-            assert pick(table(True, wide), 8) == pick(wide_rows, 8) != pick(table(True, 16), 8)
-            assert pick(table(True, 2 * wide), 16) == pick(wide_rows, 16)
-            # not below WIDE_RANK, not for segments of several tokens, not past the rows' bound
+            # up to 16 tokens, for every batch in a pool of a wide max rank
+            assert pick(table(False, wide), 8) == pick(wide_rows, 8) != pick(table(False, 16), 8)
+            assert pick(table(False, 2 * wide), 16) == pick(wide_rows, 16)
+            assert pick(table(True, wide), 8) != pick(table(True, 16), 8)
+            # not below WIDE_RANK, not past the rows' bound
             assert pick(table(True, wide // 2), 8) == pick(table(True, 16), 8)
-            assert pick(table(False, wide), 8) == pick(table(False, 16), 8)
             assert pick(table(True, wide), 200) == pick(table(True, 16), 200)
-            assert sgmv_triton.kernel_variant_differs(kernel, 8, wide)
+        # the expand's row takes 16-token tiles (a segment of several tokens reads B once), but
+        # one-token tiles where every segment is one token
+        assert pick(sgmv_triton._expand_table(False, wide), 8).block_m == 16
+        assert pick(sgmv_triton._expand_table(True, wide), 8).block_m == 1
+        assert pick(sgmv_triton._shrink_table(True, wide), 8) == pick(
+            sgmv_triton._shrink_table(False, wide), 8)
         # 17-128 one-token tokens: the shrink's items only below each rank, in wide pools alone
         assert pick(sgmv_triton._shrink_table(True, wide), 64).live_items
+        assert not pick(sgmv_triton._shrink_table(False, wide), 64).live_items
         assert not pick(sgmv_triton._shrink_table(True, 16), 64).live_items
         assert pick(sgmv_triton._expand_table(True, wide), 64) == pick(
             sgmv_triton._expand_table(True, 16), 64)
-        # so a pool of a wide rank captures both graph variants at 8 tokens, one at a single token
-        assert sgmv_triton.one_token_variant_differs(8, wide)
-        assert not sgmv_triton.one_token_variant_differs(1, wide)
+        # so a pool of a wide rank captures both graph variants, the shrink's alike to 16 tokens
+        for tokens in (1, 8, 64):
+            assert sgmv_triton.one_token_variant_differs(tokens, wide)
+        assert not sgmv_triton.kernel_variant_differs("shrink", 8, wide)
+        assert sgmv_triton.kernel_variant_differs("shrink", 64, wide)
 
     @pytest.mark.parametrize("batch_name", ["decode_distinct", "long_segments",
                                             "slot_in_two_segments"])
