@@ -593,6 +593,33 @@ def sweep_small(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def residency(args: argparse.Namespace) -> None:
+    """For the cases of `--sweep-cases`: a layer, its shrinks alone and its expands alone with
+    the layers' weights rotating past L2 (as measured) and with every layer the same tensors
+    (L2-resident), to tell weight bandwidth from the kernels' own latency. Prints; writes
+    nothing."""
+    from kernels import sgmv_triton
+
+    device = torch.device("cuda")
+    for case in ((QUICK + SWEEP_EXTRA)[i] for i in args.sweep_cases):
+        layers = layers_for(case, LLAMA3_8B, device)
+        times = {}
+        for weights in ("rotating", "resident"):
+            p = make_problem(case, LLAMA3_8B, layers, torch.bfloat16, device)
+            if weights == "resident":
+                p.weights = [p.weights[0]] * layers
+            p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
+                                                len(p.shapes[g][1])) for g in p.shapes}
+            times[weights] = [graph_us_per_layer(p, fn)
+                              for fn in (sgmv_layer, shrink_layer, expand_layer)]
+            del p
+        print(f"{case.phase} tokens {case.num_tokens} adapters {case.num_adapters} ranks "
+              f"{case.rank_label}: " + "; ".join(
+                  f"{w} layer {t[0]:.2f} shrinks {t[1]:.2f} expands {t[2]:.2f} us"
+                  for w, t in times.items()), flush=True)
+        torch.cuda.empty_cache()
+
+
 def sgmv_triton_pdl() -> bool:
     from kernels import sgmv_triton
 
@@ -611,6 +638,9 @@ def run_gpu(args: argparse.Namespace) -> None:
         return
     if args.inspect:
         inspect(args)
+        return
+    if args.residency:
+        residency(args)
         return
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -674,7 +704,9 @@ def main() -> None:
                     type=lambda v: [int(i) for i in v.split(",")],
                     help="which quick cases --sweep times (indices: 0 B=1, 1 B=8, 2 B=D=64, "
                          "3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill, 6 B=128 over one "
-                         "adapter, 7 B=128 over 8 adapters of rank 64)")
+                         "adapter, 7 B=128 over 8 adapters of rank 64, 11-12 B=8 over 8 "
+                         "adapters of rank 64 and ranks 8-64, 13 one rank-64 token, 14-15 B=8 "
+                         "over one adapter of rank 64 and 16, 16 B=8 over 8 of rank 8)")
     ap.add_argument("--sweep-kernel", choices=["shrink", "expand"], default=None,
                     help="--sweep times only this kernel's candidates")
     ap.add_argument("--sweep-small", action="store_true",
@@ -682,6 +714,9 @@ def main() -> None:
                          "writes nothing")
     ap.add_argument("--inspect", action="store_true",
                     help="registers, occupancy and a streaming-read bound for --sweep-cases; "
+                         "writes nothing")
+    ap.add_argument("--residency", action="store_true",
+                    help="--sweep-cases with weights rotating past L2 and L2-resident; "
                          "writes nothing")
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
     ap.add_argument("--variants", action="store_true",
