@@ -65,6 +65,13 @@ class Case:
         return max(self.ranks)
 
 
+# A skewed decode batch: a few popular adapters with several requests each beside many with one
+SKEWED_SEGMENTS = (16, 8, 4, 4, 2, 2, 2, 2) + (1,) * 24
+SKEWED = Case("decode", SKEWED_SEGMENTS, (16,) * 32, "16")
+SKEWED_MIXED = Case("decode", SKEWED_SEGMENTS, tuple(MIXED_RANKS[i % 4] for i in range(32)),
+                    "mixed")
+
+
 def cases(only: str | None) -> list[Case]:
     out = []
     rank_sets = [(str(r), lambda d, r=r: (r,) * d) for r in (8, 16, 64)]
@@ -74,6 +81,7 @@ def cases(only: str | None) -> list[Case]:
             for d in sorted({1, 8, b} & set(range(1, b + 1))):
                 for label, ranks in rank_sets:
                     out.append(Case("decode", (b // d,) * d, ranks(d), label))
+        out += [SKEWED, SKEWED_MIXED]  # 64 tokens over 32 adapters, segments of 16 down to 1
     if only in (None, "prefill"):
         for label, ranks in rank_sets[1:2] + rank_sets[3:]:
             out.append(Case("prefill", (512,) * 4, ranks(4), label))
@@ -309,6 +317,10 @@ SWEEP_EXTRA = [  # --sweep-cases 6 and 7: many tokens over few adapters, one til
     Case("decode", (8,), (64,), "64"),
     Case("decode", (8,), (16,), "16"),
     Case("decode", (1,) * 8, (8,) * 8, "8"),
+    # 17-18: a skewed decode batch (popular adapters share it with many requests of their own),
+    # rank 16 and ranks 8-64
+    SKEWED,
+    SKEWED_MIXED,
 ]
 
 
@@ -397,6 +409,9 @@ def sweep(args: argparse.Namespace) -> None:
                 (64, 16, 1, 32, 64), (64, 64, 1, 32, 64), (128, 16, 1, 32, 128),
                 (128, 64, 2, 16, 128), (128, 64, 4, 8, 128), (128, 32, 2, 16, 64),
                 (256, 16, 2, 16, 128), (256, 64, 4, 8, 128), (512, 16, 4, 8, 128),
+                # one warp per tile (a one-token tile beside them sums its rank in-thread)
+                (256, 16, 1, 32, 128), (256, 32, 1, 32, 128), (128, 64, 1, 32, 128),
+                (256, 64, 1, 32, 128),
             )
         ]
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
@@ -706,7 +721,8 @@ def main() -> None:
                          "3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill, 6 B=128 over one "
                          "adapter, 7 B=128 over 8 adapters of rank 64, 11-12 B=8 over 8 "
                          "adapters of rank 64 and ranks 8-64, 13 one rank-64 token, 14-15 B=8 "
-                         "over one adapter of rank 64 and 16, 16 B=8 over 8 of rank 8)")
+                         "over one adapter of rank 64 and 16, 16 B=8 over 8 of rank 8, 17-18 64 "
+                         "tokens over 32 adapters, skewed, rank 16 and ranks 8-64)")
     ap.add_argument("--sweep-kernel", choices=["shrink", "expand"], default=None,
                     help="--sweep times only this kernel's candidates")
     ap.add_argument("--sweep-small", action="store_true",

@@ -608,12 +608,13 @@ def triton_expand(
 
 def _rows(general: tuple, one_token: tuple, wide_rank: tuple, wide_rank_one_token: tuple,
           one_token_segments: bool, max_rank: int) -> tuple:
-    """A kernel's tuning rows for a batch: in pools of a max rank of at least WIDE_RANK the
-    wide-rank rows first; when every segment is one token, the one-token rows ahead of the
-    others of their kind. A hint about speed only: every row computes every batch."""
-    wide = (wide_rank_one_token if one_token_segments else ()) + wide_rank
-    return ((wide if max_rank >= WIDE_RANK else ())
-            + (one_token if one_token_segments else ()) + general)
+    """A kernel's tuning rows for a batch: when every segment is one token, the one-token rows
+    first (in pools of a max rank of at least WIDE_RANK, the wide-rank ones ahead of them);
+    then, in such pools, the wide-rank rows for every batch; then the general rows. A hint about
+    speed only: every row computes every batch."""
+    wide = max_rank >= WIDE_RANK
+    rows = ((wide_rank_one_token if wide else ()) + one_token) if one_token_segments else ()
+    return rows + (wide_rank if wide else ()) + general
 
 
 def _shrink_table(one_token_segments: bool, max_rank: int) -> tuple:

@@ -40,11 +40,16 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   (41.8), mixed ranks 8-64 102.3 -> 70.1 (69.3). Tiles of several tokens take tile products
   instead and prefer narrow blocks: B = 64 over 8 adapters 17.2 for 512 x 16 over 4 warps,
   14.6 for 256 over 1, 11.5 for 128 over 1, 33.1 for 1024 over 4. Hence the one-token table's
-  1024-wide row for 17-128 tokens and 128-wide tiles for the other batches there, over 4
-  warps with rank steps of up to 64: pools of a large max rank (128: adapters of large ranks)
-  take whole 64-row steps (128 tokens over one rank-128 adapter 53.4 us/layer for steps of 16
-  over 1 warp, 29.7; 4 x 32 tokens 57.2, 37.3), and in rank-16 pools the step is clamped to
-  16 (B = 64 over 8 adapters 11.8 over 1 warp, 11.2; 128 tokens over one 12.8, 10.7). Up to 16
+  1024-wide row for 17-128 tokens and 128-wide tiles on one warp for the other batches there.
+  Those batches hold one-token segments too (a skewed decode batch: a few popular adapters
+  with several requests each beside many with one), whose tiles take the same block: over 4
+  warps their sum over the rank crosses warps. `bench_sgmv --sweep --sweep-cases
+  17,18,3,6,8,9 --sweep-kernel expand` (H100, 2026-11-24, expand alone, us/layer), 64 tokens
+  over 32 adapters (segments 16, 8, 4, 4, 2 x 4, 1 x 24), rank 16: 65.1 for 128 columns x
+  rank steps of 64 (16 in a rank-16 pool) over 4 warps, 29.5 over 1; B = 64 over 8 adapters
+  11.2 against 11.3; 128 tokens over one adapter 10.8 against 12.5. Pools of max rank 64 and
+  up take the wide-rank row below instead.
+  Up to 16
   tokens one-token tiles over 1024 columns serve every batch (`--sweep-small`, whole layers,
   us/layer, against 16-row tiles over 256 columns of 1 warp): B = 1 10.1 (9.7-10.3), B = 8
   15.5 (15.5), 16 tokens over one adapter 15.4 (20.0, its 16-row tiles' products).
@@ -154,7 +159,7 @@ _EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, program
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, _EXPAND_ONE_TOKEN),
-    (128, ExpandTiling(16, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8, tile_n=128)),
+    (128, ExpandTiling(16, 128, 32, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=128)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
 )
@@ -168,27 +173,31 @@ EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 )
 
 
-# Pools of a wide max rank (adapters of rank 64 and up). Up to 16 tokens, rows for every batch,
-# ahead of the others: each item's bytes follow its slot's rank, and a rank-64 slot's items are
-# few and heavy, so the shrink reads four rows of A per item over 4 warps and the expand narrow
-# column blocks over whole 64-row rank steps on one warp; tiles of several tokens (a segment of
-# several requests on one adapter) take 16-row tile products over the same 64 columns, reading
-# B once, not once per token. `bench_sgmv --sweep --sweep-cases 11,12,13,14` (H100, 2026-11-24,
-# each kernel alone over a layer, us/layer, the few-token rows above -> these): B = 8 over 8
-# rank-64 adapters shrink 23.6 -> 19.8, expand 27.7 -> 21.5; over ranks 8-64 shrink 12.5 -> 11.2,
-# expand 21.5 -> 13.8; one rank-64 token expand 18.0 -> 5.3 (a 1024-column block over four rank
-# steps left qkv six items); 8 tokens over one rank-64 adapter shrink 14.8 -> 12.4, expand 19.5
-# -> 7.0 (one-token tiles: 12.4). Where every segment is one token the expand keeps one-token
+# Pools of a wide max rank (adapters of rank 64 and up). Up to 16 tokens (the expand's up to 128),
+# rows for every batch, ahead of the general ones: each item's bytes follow its slot's rank, and a
+# rank-64 slot's items are few and heavy, so the shrink reads four rows of A per item over 4 warps
+# and the expand narrow column blocks over whole 64-row rank steps on one warp; tiles of several
+# tokens (a segment of several requests on one adapter) take 16-row tile products over the same 64
+# columns, reading B once, not once per token. `bench_sgmv --sweep --sweep-cases 11,12,13,14` (H100,
+# 2026-11-24, each kernel alone over a layer, us/layer, the few-token rows above -> these): B = 8
+# over 8 rank-64 adapters shrink 23.6 -> 19.8, expand 27.7 -> 21.5; over ranks 8-64 shrink 12.5 ->
+# 11.2, expand 21.5 -> 13.8; one rank-64 token expand 18.0 -> 5.3 (a 1024-column block over four
+# rank steps left qkv six items); 8 tokens over one rank-64 adapter shrink 14.8 -> 12.4, expand 19.5
+# -> 7.0 (one-token tiles: 12.4). At 17-128 tokens the expand's row is the same, `--sweep
+# --sweep-cases 18,8,9 --sweep-kernel expand` (same day, us/layer, 128 columns x rank steps of 64
+# over 4 warps -> this): the skewed batch of 64 tokens over 32 adapters at ranks 8-64 82.2 -> 56.9
+# (its one-token tiles sum their rank within a warp), 128 tokens over one rank-128 adapter 29.4 ->
+# 34.4, 4 x 32 tokens 37.1 -> 41.2. Where every segment is one token the expand keeps one-token
 # tiles, which hold fewer registers: 8 over 8 rank-64 adapters 21.5 (16-token tiles 21.9), over
-# ranks 8-64 13.8 (14.1), one rank-64 token 5.3 (5.8). A 4-warp tile over 128 columns takes 8
-# tokens over one adapter to 6.3, but a one-token tile beside them in a batch would sum its rank
-# across warps (25 us/layer for one-token tiles there).
-# At 17-128 tokens, for batches whose every segment is one token, the shrink's items cover only
-# the column blocks below each slot's rank (`live_items`): in a pool of max rank 64 a rank-8
-# token otherwise takes eight blocks of a slice where one is live, and the programs' strides over
-# the items meet the empty ones unevenly. B = D = 64 over ranks 8-64, same run: 62.2 (table row)
-# -> 67.8 (8 warps at 2 per SM) -> 58.9 (the same with live items); at rank 16, where no block
-# is empty, live items cost 35.2 -> 35.8, so only the wide-rank table takes them.
+# ranks 8-64 13.8 (14.1), one rank-64 token 5.3 (5.8). A 4-warp tile over 128 columns takes 8 tokens
+# over one adapter to 6.3, but a one-token tile beside them in a batch would sum its rank across
+# warps (25 us/layer for one-token tiles there).
+# At 17-128 tokens, for batches whose every segment is one token, the shrink's items cover only the
+# column blocks below each slot's rank (`live_items`): in a pool of max rank 64 a rank-8 token
+# otherwise takes eight blocks of a slice where one is live, and the programs' strides over the
+# items meet the empty ones unevenly. B = D = 64 over ranks 8-64, same run: 62.2 (table row) -> 67.8
+# (8 warps at 2 per SM) -> 58.9 (the same with live items); at rank 16, where no block is empty,
+# live items cost 35.2 -> 35.8, so only the wide-rank table takes them.
 WIDE_RANK = 64
 SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (1, _SHRINK_FEW_TOKENS),
@@ -197,7 +206,7 @@ SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 )
 # (a one-token table of a kind comes first for its batches, so it repeats the rows it shares)
 EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (16, ExpandTiling(16, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64)),
+    (128, ExpandTiling(16, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64)),
 )
 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     *SHRINK_WIDE_RANK_TABLE,
