@@ -608,6 +608,50 @@ def sweep_small(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def sweep_pairs(args: argparse.Namespace) -> None:
+    """For the cases of `--sweep-cases`: whole layers over every pair of shrink and expand
+    candidates around the rows each case picks (warps, programs per SM and rows of A per item
+    for the shrink; column blocks, rank steps, warps and programs per SM for the expand), since
+    under programmatic dependent launch a kernel's cost depends on its neighbour. Prints; writes
+    nothing."""
+    from dataclasses import replace
+
+    from kernels import sgmv_triton
+    from kernels.sgmv_tuning import pick
+
+    device = torch.device("cuda")
+    for case in ((QUICK + SWEEP_EXTRA)[i] for i in args.sweep_cases):
+        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
+                         device)
+        one_token = p.batch.one_token_segments
+        s0 = pick(sgmv_triton._shrink_table(one_token, case.max_rank), case.num_tokens)
+        e0 = pick(sgmv_triton._expand_table(one_token, case.max_rank), case.num_tokens)
+        shrinks = [s0] + [
+            replace(s0, num_warps=w, programs_per_sm=pps, max_a_block=ma)
+            for ma, w, pps in ((4096, 8, 8), (16384, 4, 4), (8192, 8, 8), (4096, 4, 16),
+                               (8192, 4, 8), (16384, 8, 4))
+        ] if s0.block_m == 1 else [s0]
+        expands = [e0] + [
+            replace(e0, block_n=bn, block_r=br, num_warps=w, programs_per_sm=pps)
+            for bn, br, w, pps in ((64, 64, 1, 16), (128, 64, 2, 16), (64, 32, 1, 32),
+                                   (32, 64, 1, 32), (128, 32, 1, 32))
+        ]
+        print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters} ranks "
+              f"{case.rank_label}", flush=True)
+        results = []
+        for t_s in shrinks:
+            for t_e in expands:
+                with only_rows(shrink=t_s, expand=t_e):
+                    us = graph_us_per_layer(p, sgmv_layer)
+                results.append((us, t_s, t_e))
+                print(f"{us:.2f} us/layer: {t_s} {t_e}", flush=True)
+        best = min(results, key=lambda r: r[0])
+        print(f"best: {best[0]:.2f} us/layer (table rows {results[0][0]:.2f}): {best[1]} "
+              f"{best[2]}", flush=True)
+        del p
+        torch.cuda.empty_cache()
+
+
 def residency(args: argparse.Namespace) -> None:
     """For the cases of `--sweep-cases`: a layer, its shrinks alone and its expands alone with
     the layers' weights rotating past L2 (as measured) and with every layer the same tensors
@@ -656,6 +700,9 @@ def run_gpu(args: argparse.Namespace) -> None:
         return
     if args.residency:
         residency(args)
+        return
+    if args.sweep_pairs:
+        sweep_pairs(args)
         return
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -731,6 +778,9 @@ def main() -> None:
     ap.add_argument("--inspect", action="store_true",
                     help="registers, occupancy and a streaming-read bound for --sweep-cases; "
                          "writes nothing")
+    ap.add_argument("--sweep-pairs", action="store_true",
+                    help="whole layers over (shrink, expand) pairs around the rows of "
+                         "--sweep-cases; writes nothing")
     ap.add_argument("--residency", action="store_true",
                     help="--sweep-cases with weights rotating past L2 and L2-resident; "
                          "writes nothing")
