@@ -175,6 +175,14 @@ def shrink_layer(p: Problem, layer: int, groups=None) -> None:
         triton_shrink(p.x[group], p.weights[layer][group][0], p.batch, len(p.shapes[group][1]))
 
 
+def layer0_h(p: Problem) -> dict:
+    """Each group's h from layer 0's A: the input `expand_layer` reads."""
+    from kernels.sgmv_triton import triton_shrink
+
+    return {g: triton_shrink(p.x[g], p.weights[0][g][0], p.batch, len(p.shapes[g][1]))
+            for g in p.shapes}
+
+
 def expand_layer(p: Problem, layer: int, groups=None) -> None:
     from kernels.sgmv_triton import triton_expand
 
@@ -278,10 +286,7 @@ def measure(case: Case, bw: float, args: argparse.Namespace) -> dict:
         finally:
             sgmv_triton.PDL = True
     if args.breakdown:  # per group: (shrink alone, expand alone)
-        from kernels.sgmv_triton import triton_shrink
-
-        p.h = {g: triton_shrink(p.x[g], p.weights[0][g][0], p.batch, len(p.shapes[g][1]))
-               for g in p.shapes}
+        p.h = layer0_h(p)
         row["groups_us"] = {
             g: (round(graph_us_per_layer(p, shrink_layer, [g]), 2),
                 round(graph_us_per_layer(p, expand_layer, [g]), 2))
@@ -332,8 +337,7 @@ def sweep(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from benchmarks.common import time_cuda
-    from kernels import sgmv_triton
-    from kernels.sgmv_tuning import NO_SPLIT, pick
+    from kernels.sgmv_tuning import NO_SPLIT
 
     noop = torch.zeros(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -348,11 +352,8 @@ def sweep(args: argparse.Namespace) -> None:
     for case in ((QUICK + SWEEP_EXTRA)[i] for i in args.sweep_cases):
         p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
                          device)
-        p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
-                                            len(p.shapes[g][1])) for g in p.shapes}
-        one_token = p.batch.one_token_segments
-        base_s = pick(sgmv_triton._shrink_table(one_token, case.max_rank), case.num_tokens)
-        base_e = pick(sgmv_triton._expand_table(one_token, case.max_rank), case.num_tokens)
+        p.h = layer0_h(p)
+        base_s, base_e = table_rows(p)
         # block_m 1: every tile one token, each item whole rows of A (max_a_block elements, no
         # split-K; a segment of several tokens re-reads its weights per token, from L2);
         # block_m 16: 16-token tiles with split-K
@@ -510,8 +511,7 @@ def inspect(args: argparse.Namespace) -> None:
     for case in (QUICK[i] for i in args.sweep_cases):
         p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
                          device)
-        p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
-                                            len(p.shapes[g][1])) for g in p.shapes}
+        p.h = layer0_h(p)
         print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters} "
               f"ranks {case.rank_label}", flush=True)
         sgmv_layer(p, 0)
@@ -571,7 +571,6 @@ def sweep_small(args: argparse.Namespace) -> None:
     from kernels import sgmv_triton
     from kernels.sgmv_tuning import SHRINK_TABLE, ShrinkTiling, pick
 
-    device = torch.device("cuda")
     base_s, base_e = pick(SHRINK_TABLE, 1), pick(sgmv_triton._expand_table(True, 16), 1)
     # tiles of one token (the decode batches' shape) take matrix-vector products; the row's
     # shrink splits no K: each item holds a few whole rows of A (max_a_block elements), read
@@ -587,25 +586,44 @@ def sweep_small(args: argparse.Namespace) -> None:
         for bn, w, pps in ((256, 1, 32), (512, 2, 16), (1024, 4, 4))
     ]
     for case in (QUICK[0], QUICK[1], Case("decode", (16,), (16,), "16")):
-        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
-                         device)
-        print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters}", flush=True)
-        results = []
-        for t_s in shrinks:
-            for t_e in expands:
-                try:
-                    with only_rows(shrink=t_s, expand=t_e):
-                        us = graph_us_per_layer(p, sgmv_layer)
-                except Exception as e:  # a tiling the compiler or the GPU refuses
-                    print(f"{t_s} {t_e} failed: {type(e).__name__}: {e}", flush=True)
-                    continue
-                results.append((us, t_s, t_e))
-                print(f"{us:.2f} us/layer: {t_s} {t_e}", flush=True)
-        best = min(results, key=lambda r: r[0])
-        print(f"best at {case.num_tokens} tokens: {best[0]:.2f} us/layer (table row "
-              f"{results[0][0]:.2f}): {best[1]} {best[2]}", flush=True)
-        del p
-        torch.cuda.empty_cache()
+        time_pairs(case, lambda p: (shrinks, expands))
+
+
+def table_rows(p: Problem) -> tuple:
+    """The (shrink, expand) tilings the kernels' tables pick for the problem's batch."""
+    from kernels import sgmv_triton
+    from kernels.sgmv_tuning import pick
+
+    one_token, max_rank = p.batch.one_token_segments, p.case.max_rank
+    return (pick(sgmv_triton._shrink_table(one_token, max_rank), p.case.num_tokens),
+            pick(sgmv_triton._expand_table(one_token, max_rank), p.case.num_tokens))
+
+
+def time_pairs(case: Case, candidates) -> None:
+    """Whole layers of `case` over every (shrink, expand) pair of `candidates(problem)` (two
+    lists, the table rows first), printed with the best pair."""
+    device = torch.device("cuda")
+    p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
+                     device)
+    shrinks, expands = candidates(p)
+    print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters} ranks "
+          f"{case.rank_label}", flush=True)
+    results = []
+    for t_s in shrinks:
+        for t_e in expands:
+            try:
+                with only_rows(shrink=t_s, expand=t_e):
+                    us = graph_us_per_layer(p, sgmv_layer)
+            except Exception as e:  # a tiling the compiler or the GPU refuses
+                print(f"{t_s} {t_e} failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            results.append((us, t_s, t_e))
+            print(f"{us:.2f} us/layer: {t_s} {t_e}", flush=True)
+    best = min(results, key=lambda r: r[0])
+    print(f"best at {case.num_tokens} tokens: {best[0]:.2f} us/layer (table rows "
+          f"{results[0][0]:.2f}): {best[1]} {best[2]}", flush=True)
+    del p
+    torch.cuda.empty_cache()
 
 
 def sweep_pairs(args: argparse.Namespace) -> None:
@@ -616,16 +634,8 @@ def sweep_pairs(args: argparse.Namespace) -> None:
     nothing."""
     from dataclasses import replace
 
-    from kernels import sgmv_triton
-    from kernels.sgmv_tuning import pick
-
-    device = torch.device("cuda")
-    for case in ((QUICK + SWEEP_EXTRA)[i] for i in args.sweep_cases):
-        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
-                         device)
-        one_token = p.batch.one_token_segments
-        s0 = pick(sgmv_triton._shrink_table(one_token, case.max_rank), case.num_tokens)
-        e0 = pick(sgmv_triton._expand_table(one_token, case.max_rank), case.num_tokens)
+    def candidates(p: Problem) -> tuple:
+        s0, e0 = table_rows(p)
         shrinks = [s0] + [
             replace(s0, num_warps=w, programs_per_sm=pps, max_a_block=ma)
             for ma, w, pps in ((4096, 8, 8), (16384, 4, 4), (8192, 8, 8), (4096, 4, 16),
@@ -636,20 +646,10 @@ def sweep_pairs(args: argparse.Namespace) -> None:
             for bn, br, w, pps in ((64, 64, 1, 16), (128, 64, 2, 16), (64, 32, 1, 32),
                                    (32, 64, 1, 32), (128, 32, 1, 32))
         ]
-        print(f"== {case.phase} tokens {case.num_tokens} adapters {case.num_adapters} ranks "
-              f"{case.rank_label}", flush=True)
-        results = []
-        for t_s in shrinks:
-            for t_e in expands:
-                with only_rows(shrink=t_s, expand=t_e):
-                    us = graph_us_per_layer(p, sgmv_layer)
-                results.append((us, t_s, t_e))
-                print(f"{us:.2f} us/layer: {t_s} {t_e}", flush=True)
-        best = min(results, key=lambda r: r[0])
-        print(f"best: {best[0]:.2f} us/layer (table rows {results[0][0]:.2f}): {best[1]} "
-              f"{best[2]}", flush=True)
-        del p
-        torch.cuda.empty_cache()
+        return shrinks, expands
+
+    for case in ((QUICK + SWEEP_EXTRA)[i] for i in args.sweep_cases):
+        time_pairs(case, candidates)
 
 
 def residency(args: argparse.Namespace) -> None:
@@ -657,7 +657,6 @@ def residency(args: argparse.Namespace) -> None:
     the layers' weights rotating past L2 (as measured) and with every layer the same tensors
     (L2-resident), to tell weight bandwidth from the kernels' own latency. Prints; writes
     nothing."""
-    from kernels import sgmv_triton
 
     device = torch.device("cuda")
     for case in ((QUICK + SWEEP_EXTRA)[i] for i in args.sweep_cases):
@@ -667,8 +666,7 @@ def residency(args: argparse.Namespace) -> None:
             p = make_problem(case, LLAMA3_8B, layers, torch.bfloat16, device)
             if weights == "resident":
                 p.weights = [p.weights[0]] * layers
-            p.h = {g: sgmv_triton.triton_shrink(p.x[g], p.weights[0][g][0], p.batch,
-                                                len(p.shapes[g][1])) for g in p.shapes}
+            p.h = layer0_h(p)
             times[weights] = [graph_us_per_layer(p, fn)
                               for fn in (sgmv_layer, shrink_layer, expand_layer)]
             del p
