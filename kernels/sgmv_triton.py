@@ -168,7 +168,8 @@ def _product_kn(u, v, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                WEIGHT_EVICT: tl.constexpr):
     """acc [M, N] + x[rows, k_lo:k_hi] @ A[cols, k_lo:k_hi]^T, in float32. `x_ptrs` [M, BLOCK_K]
     and `a_ptrs` [N, BLOCK_K] point at hidden index 0; rows/columns outside the masks load
     nothing."""
@@ -176,11 +177,13 @@ def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             xv = tl.load(x_ptrs + k0, mask=row_mask[:, None], other=0.0)
-            av = tl.load(a_ptrs + k0, mask=a_mask[:, None], other=0.0)
+            av = tl.load(a_ptrs + k0, mask=a_mask[:, None], other=0.0,
+                         eviction_policy=WEIGHT_EVICT)
         else:
             k_in = (k0 + offs_k) < K
             xv = tl.load(x_ptrs + k0, mask=row_mask[:, None] & k_in[None, :], other=0.0)
-            av = tl.load(a_ptrs + k0, mask=a_mask[:, None] & k_in[None, :], other=0.0)
+            av = tl.load(a_ptrs + k0, mask=a_mask[:, None] & k_in[None, :], other=0.0,
+                         eviction_policy=WEIGHT_EVICT)
         acc = _product(xv, av, acc, PRECISION)
     return acc
 
@@ -188,7 +191,8 @@ def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
 @triton.jit
 def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride_xt,
                   stride_as, stride_ar, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                  PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr):
+                  PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
+                  WEIGHT_EVICT: tl.constexpr):
     """h[row, cols] (or its split-K partial: the float32 sum over hidden [k_lo, k_hi)) for one
     token: a matrix-vector product over x's row, BLOCK_K at a time; columns outside `col_live`
     read nothing. With PRELOAD_A the range is one step, and its A block is read before
@@ -199,7 +203,8 @@ def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride
     acc = tl.zeros((1, cols.shape[0]), dtype=tl.float32)
     if PRELOAD_A:
         k_in = (k_lo + offs_k < K) | EVEN_K
-        av = tl.load(a_rows + k_lo, mask=col_live[:, None] & k_in[None, :], other=0.0)
+        av = tl.load(a_rows + k_lo, mask=col_live[:, None] & k_in[None, :], other=0.0,
+                     eviction_policy=WEIGHT_EVICT)
         gdc_wait()
         xv = tl.load(x_row + k_lo, mask=k_in[None, :], other=0.0)
         acc = _product(xv, av, acc, PRECISION)
@@ -207,7 +212,7 @@ def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride
         if PDL:
             gdc_wait()
         acc = _shrink_acc(x_row, a_rows, tl.arange(0, 1) < 1, col_live, acc, k_lo, k_hi, K,
-                          BLOCK_K, EVEN_K, PRECISION)
+                          BLOCK_K, EVEN_K, PRECISION, WEIGHT_EVICT)
     return acc
 
 
@@ -218,7 +223,7 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                 PRELOAD_A: tl.constexpr):
+                 PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
     """Work item (tile j, column block cb, K split ks): h for the tile's rows and the block's
     columns; with split-K, this split's partial, and the sum of all if it arrives last."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -244,11 +249,11 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
             a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_tk[None, :]
             x_tile = x_ptr + rows[:, None] * stride_xt + offs_tk[None, :]
             acc = _shrink_acc(x_tile, a_rows, row_mask, col_live, acc, k_lo, k_hi, K, TILE_K,
-                              EVEN_K, PRECISION)
+                              EVEN_K, PRECISION, WEIGHT_EVICT)
         else:
             acc += _shrink_token(x_ptr, a_ptr, first_row.to(tl.int64), slot, cols, col_live,
                                  k_lo, k_hi, K, stride_xt, stride_as, stride_ar, BLOCK_K,
-                                 EVEN_K, PRECISION, PDL, PRELOAD_A)
+                                 EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT)
 
         if SPLIT_K == 1:
             tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
@@ -285,7 +290,8 @@ def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, 
                        stride_ar, stride_ht, MAX_RANK: tl.constexpr, NUM_COLS: tl.constexpr,
                        NUM_CB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                       PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr):
+                       PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
+                       WEIGHT_EVICT: tl.constexpr):
     """The shrink over one-token tiles without split-K, with items only for the column blocks
     below each slot's rank: a token of rank r has ceil(r / BLOCK_N) blocks in each slice (BLOCK_N
     divides MAX_RANK), so in a pool of a wide max rank a low-rank token no longer leaves most of
@@ -309,7 +315,7 @@ def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, 
         _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, row, row + 1, slot.to(tl.int64),
                      rank, 0, cb, 0, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
                      MAX_RANK, NUM_COLS, NUM_CB, 1, BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, 1,
-                     EVEN_K, PRECISION, PDL, PRELOAD_A)
+                     EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT)
 
 
 @triton.jit
@@ -346,6 +352,7 @@ def _sgmv_shrink_kernel(
     PDL: tl.constexpr,
     PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
     LIVE_ITEMS: tl.constexpr = False,  # one-token tiles: items only below the slot's rank
+    WEIGHT_EVICT: tl.constexpr = "",  # A's loads: "evict_first" streams it past the caches
 ):
     if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
         gdc_launch_dependents()
@@ -361,7 +368,8 @@ def _sgmv_shrink_kernel(
         _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, starts,
                            ends, slots, slot_ids, slot_ranks, num_tokens, K, stride_xt,
                            stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_N,
-                           BLOCK_K, TILE_K, K_PER_SPLIT, EVEN_K, PRECISION, PDL, PRELOAD_A)
+                           BLOCK_K, TILE_K, K_PER_SPLIT, EVEN_K, PRECISION, PDL, PRELOAD_A,
+                           WEIGHT_EVICT)
     else:
         num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
         for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -375,24 +383,25 @@ def _sgmv_shrink_kernel(
                          slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt,
                          stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M,
                          BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL,
-                         PRELOAD_A)
+                         PRELOAD_A, WEIGHT_EVICT)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
 
 @triton.jit
-def _b_rows(b_slot, r, rank, cols, col_mask, stride_br):
+def _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT: tl.constexpr):
     """Rows `r` of a slot's rank-major B over `cols`, [len(r), len(cols)]; rows at or past the
     slot's rank read nothing (zeros)."""
     return tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
-                   mask=(r < rank)[:, None] & col_mask[None, :], other=0.0)
+                   mask=(r < rank)[:, None] & col_mask[None, :], other=0.0,
+                   eviction_policy=WEIGHT_EVICT)
 
 
 @triton.jit
 def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr,
                  stride_ht, stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
     """y[tile rows, cols] += scale * h[rows, slice ranks] . B[:rank, cols]. `h_ptrs` points at
     the slice's first rank column of h, `b_slot` at the slot's B ([R, out], rank-major). The
     first rank step's B rows are read before the wait; the steps after it, up to the slot's
@@ -403,7 +412,7 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
     y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
     y_mask = row_mask[:, None] & col_mask[None, :]
     r_in = offs_r < rank
-    bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br)  # [BLOCK_R, BLOCK_N]
+    bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)  # [R step, N]
     if PDL:
         gdc_wait()
     yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -414,7 +423,7 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
         for r0 in range(BLOCK_R, rank, BLOCK_R):
             r = r0 + offs_r
             r_in = r < rank
-            bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br)
+            bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)
             hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
                          mask=row_mask[:, None] & r_in[None, :], other=0.0)
             acc = _product_kn(hv, bv, acc, PRECISION)
@@ -425,7 +434,7 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
 @triton.jit
 def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, stride_ht, stride_br,
                   stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  MULTI_R: tl.constexpr, PDL: tl.constexpr):
+                  MULTI_R: tl.constexpr, PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
     """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
     y[row, cols] += scale * h[row, :rank] . B[:rank, cols], summed over the rank step's rows. A
     16-row tile would carry 15 dead rows through the product, the layout changes and the
@@ -433,7 +442,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, strid
     offs_r = tl.arange(0, BLOCK_R)
     y_ptrs = y_ptr + row * stride_yt + cols
     r_in = offs_r < rank
-    bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br)  # [BLOCK_R, BLOCK_N]
+    bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)  # [R step, N]
     if PDL:
         gdc_wait()
     yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
@@ -443,7 +452,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, strid
         for r0 in range(BLOCK_R, rank, BLOCK_R):
             r = r0 + offs_r
             r_in = r < rank
-            bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br)
+            bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)
             hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
             acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     out = yv.to(tl.float32) + scale * acc
@@ -483,6 +492,7 @@ def _sgmv_expand_kernel(
     TILE_N: tl.constexpr,  # columns per tile product (tiles of several tokens); divides BLOCK_N
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    WEIGHT_EVICT: tl.constexpr = "",  # B's loads: "evict_first" streams it past the caches
 ):
     if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
         gdc_launch_dependents()
@@ -515,12 +525,12 @@ def _sgmv_expand_kernel(
                     _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale,
                                  h_ptrs, b_slot, y_ptr, stride_ht, stride_br, stride_yt,
                                  BLOCK_M, TILE_N, BLOCK_R, MULTI_R,
-                                 PRECISION, PDL and sub == 0)
+                                 PRECISION, PDL and sub == 0, WEIGHT_EVICT)
             else:
                 cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
                               b_slot, y_ptr, stride_ht, stride_br, stride_yt,
-                              BLOCK_N, BLOCK_R, MULTI_R, PDL)
+                              BLOCK_N, BLOCK_R, MULTI_R, PDL, WEIGHT_EVICT)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
@@ -680,6 +690,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
         LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
+        WEIGHT_EVICT=_weight_eviction(t),
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
     return _Plan(grid, constants, split_k, bound_tiles * num_cb)
@@ -702,8 +713,16 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_R=block_r,
         MULTI_R=max_rank > block_r,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
+        WEIGHT_EVICT=_weight_eviction(t),
     )
     return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
+
+
+def _weight_eviction(t) -> str:
+    """The weight loads' cache policy for a tiling: a row that streams its weights (each block
+    read by one item, or by a few tiles of one segment close together) marks them first out of
+    L1 and L2, so they do not push out the x, h and y rows that several items of a token read."""
+    return "evict_first" if t.stream_weights else ""
 
 
 def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: bool) -> dict:

@@ -88,6 +88,10 @@ class ShrinkTiling:
     # One-token tiles without split-K: items only for the column blocks below each slot's rank
     # (where the block width divides the pool's max rank), instead of every block of the pool.
     live_items: bool = False
+    # Weight loads marked first out of the caches (`evict_first`): for rows whose items each
+    # read their block of A once (decode), so streaming A does not evict x and h rows that
+    # several items read. Rows whose tiles share A blocks (prefill) keep the default.
+    stream_weights: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_k", self.tile_k)
@@ -112,6 +116,8 @@ class ExpandTiling:
     # Columns per tile product for tiles of several tokens, a power of two (None: block_n);
     # tiles of one token take the whole block in one matrix-vector product.
     tile_n: int | None = None
+    # B's loads marked first out of the caches (as ShrinkTiling.stream_weights, for y and h).
+    stream_weights: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_n", self.tile_n)
@@ -132,12 +138,12 @@ NO_SPLIT = 1 << 30
 # --sweep --sweep-kernel shrink` (H100, 2026-11-24, shrink alone over a layer, us/layer, 4 warps
 # at 4 per SM -> 8 at 2): B = D = 64 rank 16 38.2 -> 35.2.
 _SHRINK_FEW_TOKENS = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1,
-                                  programs_per_sm=8, max_a_block=8192)
+                                  programs_per_sm=8, max_a_block=8192, stream_weights=True)
 
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (16, _SHRINK_FEW_TOKENS),
     (128, ShrinkTiling(16, 32, 256, 1024, num_warps=4, num_stages=3, programs_per_sm=16,
-                       tile_k=128)),
+                       tile_k=128, stream_weights=True)),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
     (None, ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4)),
 )
@@ -146,7 +152,7 @@ SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 # SHRINK_TABLE's: `triton_shrink` searches this table first for such batches, and falls through
 # to SHRINK_TABLE's rows past its bounds.
 _SHRINK_ONE_TOKEN = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1,
-                                 programs_per_sm=2, max_a_block=32768)
+                                 programs_per_sm=2, max_a_block=32768, stream_weights=True)
 SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (16, _SHRINK_FEW_TOKENS),
     (128, _SHRINK_ONE_TOKEN),
@@ -155,11 +161,13 @@ SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 # Tiles of one token over 1024 columns: up to 16 tokens for every batch (no second CUDA graph
 # for small buckets; 2 programs per SM), and up to 128 for batches whose every segment is one
 # token (4 per SM, rank steps of 32: half the dependent steps of a rank-64 slot).
-_EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2)
+_EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
+                                 stream_weights=True)
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, _EXPAND_ONE_TOKEN),
-    (128, ExpandTiling(16, 128, 32, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=128)),
+    (128, ExpandTiling(16, 128, 32, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=128,
+                       stream_weights=True)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
     (None, ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
 )
@@ -169,7 +177,8 @@ EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 # the rank alone.
 EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, _EXPAND_ONE_TOKEN),
-    (128, ExpandTiling(1, 1024, 32, num_warps=4, num_stages=1, programs_per_sm=4)),
+    (128, ExpandTiling(1, 1024, 32, num_warps=4, num_stages=1, programs_per_sm=4,
+                       stream_weights=True)),
 )
 
 
@@ -202,18 +211,20 @@ WIDE_RANK = 64
 SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (1, _SHRINK_FEW_TOKENS),
     (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
-                      max_a_block=16384)),
+                      max_a_block=16384, stream_weights=True)),
 )
 # (a one-token table of a kind comes first for its batches, so it repeats the rows it shares)
 EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (128, ExpandTiling(16, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64)),
+    (128, ExpandTiling(16, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64,
+                       stream_weights=True)),
 )
 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     *SHRINK_WIDE_RANK_TABLE,
     (128, replace(_SHRINK_ONE_TOKEN, live_items=True)),
 )
 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (16, ExpandTiling(1, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64)),
+    (16, ExpandTiling(1, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64,
+                      stream_weights=True)),
 )
 
 

@@ -121,11 +121,13 @@ def token_tiles() -> tuple:
 
 def unsplit_tiles() -> tuple:
     """Decode tiles of one token without split-K: a column block narrowed to the few whole rows
-    of A that `max_a_block` allows (fewer for a wider hidden size), each item writing h itself."""
+    of A that `max_a_block` allows (fewer for a wider hidden size), each item writing h itself;
+    weights loaded with the streaming cache policy."""
     return (
         ((None, ShrinkTiling(1, 16, 64, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=3,
-                             max_a_block=128)),),
-        ((None, ExpandTiling(1, 16, 16, num_warps=4, num_stages=1, programs_per_sm=3)),),
+                             max_a_block=128, stream_weights=True)),),
+        ((None, ExpandTiling(1, 16, 16, num_warps=4, num_stages=1, programs_per_sm=3,
+                             stream_weights=True)),),
     )
 
 
@@ -409,6 +411,27 @@ class TestLaunchers:
         assert not sgmv_triton.one_token_variant_differs(1, 16)
         assert not sgmv_triton.one_token_variant_differs(8, 16)
         assert not sgmv_triton.one_token_variant_differs(1024, 16)
+
+    def test_decode_rows_stream_their_weights(self):
+        """Decode rows read each weight block once: their loads are marked first out of the
+        caches; prefill rows, whose tiles share blocks, keep the default policy."""
+        for one_token in (False, True):
+            for max_rank in (16, sgmv_triton.WIDE_RANK):
+                for tokens in (1, 8, 64, 128):
+                    s = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(one_token, max_rank),
+                                                 tokens, 4096, 3 * max_rank, max_rank, tokens,
+                                                 64, False, 132)
+                    e = sgmv_triton._expand_plan(sgmv_triton._expand_table(one_token, max_rank),
+                                                 tokens, (0, 4096, 5120, 6144), max_rank, tokens,
+                                                 64, False, 132)
+                    assert s.constants["WEIGHT_EVICT"] == "evict_first"
+                    assert e.constants["WEIGHT_EVICT"] == "evict_first"
+        for tokens in (512, 2048):
+            s = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(False, 16), tokens, 4096, 48,
+                                         16, 4, 64, False, 132)
+            e = sgmv_triton._expand_plan(sgmv_triton._expand_table(False, 16), tokens,
+                                         (0, 4096, 5120, 6144), 16, 4, 64, False, 132)
+            assert s.constants["WEIGHT_EVICT"] == e.constants["WEIGHT_EVICT"] == ""
 
     def test_wide_rank_pools_pick_their_rows(self):
         wide = sgmv_triton.WIDE_RANK
