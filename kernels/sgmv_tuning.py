@@ -60,6 +60,11 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   5.0 (two rows over 8 warps; eight rows there 7.8-9.7 and 5.9-7.5). Expand at B = 8 8.2 -> 7.1
   (2 programs per SM), mixed ranks 71.9 -> 69.7 (rank steps of 32; rank-16 pools clamp the step
   to 16, so their row is unchanged).
+- Decode rows (up to 128 tokens) load their weights `evict_first` (`stream_weights`): each
+  block is read by one item, or by a few tiles of one segment close together, while x, h and y
+  rows serve several items of a token. H100, 2026-11-25, whole layers, us/layer: B = D = 64
+  ranks 8-64 129.2 -> 120.1, rank 16 73.9 -> 67.5, B = 8 over 8 adapters 14.0 -> 12.9, B = 1
+  9.67 -> 9.32; prefill 4 x 512 227 -> 234, so the prefill rows keep the default.
 - Many tokens (prefill): enough tiles without split-K; wider token tiles read each adapter block
   once per 64 tokens, and the shrink's column block spans all fused slices so `x` is read once.
 """
