@@ -27,8 +27,17 @@ Why these rows (H100, bf16, Llama-3-8B shapes):
   Handling one-token segments with their own items inside the 16-token-tile kernel lost: that
   kernel's registers (168-212) left the one-token items 3 programs per SM (B = D = 64: 56.9).
 - 17-128 tokens with segments of several tokens (batched decode, one adapter shared by many
-  requests), `bench_sgmv --sweep`, H100, 2026-11-24, us/layer: the shrink over 32 columns and
-  256-wide hidden steps, split 1024-wide; at B = 64 over 8 adapters 23.0 (block_m 1: 31.4).
+  requests): the shrink over 16-token tiles of 32 columns and 256-wide hidden steps, split
+  512-wide in rank-16 pools and 1024-wide in pools of a wide max rank; up to 32 tokens in
+  rank-16 pools, one-token tiles as below 16 (four warps, one row of A per item). Whole layers,
+  H100, 2026-11-25, us/layer (split 1024 -> split 512 -> one-token tiles): 32 tokens over one
+  adapter 29.8 -> 23.8 -> 20.8, over 8 adapters 36.7 -> 30.3 -> 25.6, over 20 adapters
+  (segments 8, 4, 2, 2 and 16 of one) 43.9 -> 41.4 -> 32.3; 64 over one 29.6 -> 25.4, over 8
+  35.7 -> 30.6 (one-token tiles 34-36), 128 over one 36.7 -> 30.5; the skewed 64 over 32 loses
+  57.3 -> 60.7 (one-token tiles 51.7: no row serves every batch shape there). Wide pools keep
+  1024 past 32 tokens: 128 over one rank-128 adapter 72.6 -> 81.3, 64 over 32 at ranks 8-64
+  96.7 -> 105; at 17-32 they split 512 (32 over 8 at ranks 8-64 48.0 -> 43.5, one-token tiles
+  49.8).
 - The expand reads B rank-major ([slots, R, out]): a rank step reads whole rows of the item's
   columns and steps past the slot's rank read nothing, so an item's bytes follow the slot's true
   rank (mixed ranks). A one-token item sums over the rank; Triton spreads a [rank step, block_n]
@@ -145,10 +154,15 @@ NO_SPLIT = 1 << 30
 _SHRINK_FEW_TOKENS = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1,
                                   programs_per_sm=8, max_a_block=8192, stream_weights=True)
 
+# 17-128 tokens with segments of several tokens: 16-token tiles, K split 512-wide in rank-16
+# pools (more items for few adapters), 1024-wide in pools of a wide max rank (below).
+_SHRINK_TILES = ShrinkTiling(16, 32, 256, 512, num_warps=4, num_stages=3, programs_per_sm=16,
+                             tile_k=128, stream_weights=True)
+
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (16, _SHRINK_FEW_TOKENS),
-    (128, ShrinkTiling(16, 32, 256, 1024, num_warps=4, num_stages=3, programs_per_sm=16,
-                       tile_k=128, stream_weights=True)),
+    (32, replace(_SHRINK_FEW_TOKENS, num_warps=4, max_a_block=4096)),
+    (128, _SHRINK_TILES),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
     (None, ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4)),
 )
@@ -213,10 +227,15 @@ EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 # (8 warps at 2 per SM) -> 58.9 (the same with live items); at rank 16, where no block is empty,
 # live items cost 35.2 -> 35.8, so only the wide-rank table takes them.
 WIDE_RANK = 64
-SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
+_SHRINK_WIDE_FEW_TOKENS: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (1, _SHRINK_FEW_TOKENS),
     (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
                       max_a_block=16384, stream_weights=True)),
+)
+SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
+    *_SHRINK_WIDE_FEW_TOKENS,
+    (32, _SHRINK_TILES),
+    (128, replace(_SHRINK_TILES, k_per_split=1024)),
 )
 # (a one-token table of a kind comes first for its batches, so it repeats the rows it shares)
 EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
@@ -224,7 +243,7 @@ EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
                        stream_weights=True)),
 )
 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    *SHRINK_WIDE_RANK_TABLE,
+    *_SHRINK_WIDE_FEW_TOKENS,
     (128, replace(_SHRINK_ONE_TOKEN, live_items=True)),
 )
 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
