@@ -652,6 +652,39 @@ def sweep_pairs(args: argparse.Namespace) -> None:
         time_pairs(case, candidates)
 
 
+def sweep_segments(args: argparse.Namespace) -> None:
+    """Batches of 17-128 tokens whose segments hold several tokens (a popular adapter shares the
+    batch with many requests): whole layers over the shrink's candidates there, 16-token tiles
+    with K split 1024 or 512 and, up to 32 tokens, one-token tiles (the expand's table row).
+    Prints; writes nothing."""
+    from dataclasses import replace
+
+    from kernels.sgmv_tuning import NO_SPLIT, SHRINK_TABLE, ShrinkTiling, pick
+
+    one_token = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
+                             max_a_block=4096, stream_weights=True)
+
+    def candidates(p: Problem) -> tuple:
+        s0, e0 = table_rows(p)
+        tiles = s0 if s0.block_m == 16 else pick(SHRINK_TABLE, 128)
+        shrinks = [s0] + [t for t in (replace(tiles, k_per_split=1024),
+                                      replace(tiles, k_per_split=512)) if t != s0]
+        if p.case.num_tokens <= 32 and s0 != one_token:
+            shrinks.append(one_token)
+        return shrinks, [e0]
+
+    mixed = tuple(MIXED_RANKS[i % 4] for i in range(8))
+    skewed_32 = (8, 4, 2, 2) + (1,) * 16
+    for case in (Case("decode", (32,), (16,), "16"), Case("decode", (4,) * 8, (16,) * 8, "16"),
+                 Case("decode", skewed_32, (16,) * len(skewed_32), "16"),
+                 Case("decode", (4,) * 8, mixed, "mixed"),
+                 Case("decode", (4,) * 8, (64,) * 8, "64"),
+                 Case("decode", (64,), (16,), "16"), Case("decode", (8,) * 8, (16,) * 8, "16"),
+                 Case("decode", (128,), (16,), "16"), SKEWED, SWEEP_EXTRA[1], SWEEP_EXTRA[2],
+                 SKEWED_MIXED):
+        time_pairs(case, candidates)
+
+
 def residency(args: argparse.Namespace) -> None:
     """For the cases of `--sweep-cases`: a layer, its shrinks alone and its expands alone with
     the layers' weights rotating past L2 (as measured) and with every layer the same tensors
@@ -701,6 +734,9 @@ def run_gpu(args: argparse.Namespace) -> None:
         return
     if args.sweep_pairs:
         sweep_pairs(args)
+        return
+    if args.sweep_segments:
+        sweep_segments(args)
         return
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -779,6 +815,9 @@ def main() -> None:
     ap.add_argument("--sweep-pairs", action="store_true",
                     help="whole layers over (shrink, expand) pairs around the rows of "
                          "--sweep-cases; writes nothing")
+    ap.add_argument("--sweep-segments", action="store_true",
+                    help="whole layers over the shrink's rows for 17-128 tokens in segments of "
+                         "several tokens; writes nothing")
     ap.add_argument("--residency", action="store_true",
                     help="--sweep-cases with weights rotating past L2 and L2-resident; "
                          "writes nothing")
