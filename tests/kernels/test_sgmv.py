@@ -433,6 +433,22 @@ class TestLaunchers:
                                          (0, 4096, 5120, 6144), 16, 4, 64, False, 132)
             assert s.constants["WEIGHT_EVICT"] == e.constants["WEIGHT_EVICT"] == ""
 
+    def test_segments_of_several_tokens_pick_their_rows(self):
+        """17-128 tokens not all in one-token segments: in rank-16 pools one-token tiles up to
+        32 tokens and 16-token tiles with K split 512 past them; in pools of a wide max rank the
+        split is 512 up to 32 tokens and 1024 past; one-token batches keep their own rows."""
+        wide = sgmv_triton.WIDE_RANK
+        assert pick(sgmv_triton._shrink_table(False, 16), 32).block_m == 1
+        for tokens in (33, 128):
+            row = pick(sgmv_triton._shrink_table(False, 16), tokens)
+            assert (row.block_m, row.k_per_split) == (16, 512)
+        for tokens, split in ((17, 512), (32, 512), (33, 1024), (128, 1024)):
+            row = pick(sgmv_triton._shrink_table(False, wide), tokens)
+            assert (row.block_m, row.k_per_split) == (16, split)
+        for tokens in (17, 32, 128):
+            assert pick(sgmv_triton._shrink_table(True, wide), tokens).live_items
+            assert pick(sgmv_triton._shrink_table(True, 16), tokens).max_a_block == 32768
+
     def test_wide_rank_pools_pick_their_rows(self):
         wide = sgmv_triton.WIDE_RANK
         for table, wide_rows in (
