@@ -659,10 +659,9 @@ def sweep_segments(args: argparse.Namespace) -> None:
     Prints; writes nothing."""
     from dataclasses import replace
 
-    from kernels.sgmv_tuning import NO_SPLIT, SHRINK_TABLE, ShrinkTiling, pick
+    from kernels.sgmv_tuning import SHRINK_TABLE, pick
 
-    one_token = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
-                             max_a_block=4096, stream_weights=True)
+    one_token = pick(SHRINK_TABLE, 32)  # the rank-16 pools' one-token tiles up to 32 tokens
 
     def candidates(p: Problem) -> tuple:
         s0, e0 = table_rows(p)

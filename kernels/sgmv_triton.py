@@ -690,7 +690,6 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
         LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
-        WEIGHT_EVICT=_weight_eviction(t),
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
     return _Plan(grid, constants, split_k, bound_tiles * num_cb)
@@ -713,27 +712,22 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_R=block_r,
         MULTI_R=max_rank > block_r,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
-        WEIGHT_EVICT=_weight_eviction(t),
     )
     return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
 
 
-def _weight_eviction(t) -> str:
-    """The weight loads' cache policy for a tiling: a row that streams its weights (each block
-    read by one item, or by a few tiles of one segment close together) marks them first out of
-    L1 and L2, so they do not push out the x, h and y rows that several items of a token read."""
-    return "evict_first" if t.stream_weights else ""
-
-
 def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: bool) -> dict:
     """What both kernels' launches take alike: the segment and slot tables' widths, the token
-    tile, warps and stages, and programmatic dependent launch (the `PDL` constant and Triton's
+    tile, warps and stages, the weight loads' cache policy (a row that streams its weights marks
+    them first out of L1 and L2, so they do not push out the x, h and y rows that several items
+    of a token read) and programmatic dependent launch (the `PDL` constant and Triton's
     `launch_pdl` option travel together)."""
     return dict(
         MAX_RANK=max_rank,
         BLOCK_S=_pow2_at_least_16(num_segments),
         BLOCK_SLOTS=_slot_block(num_slots),
         BLOCK_M=t.block_m,
+        WEIGHT_EVICT="evict_first" if t.stream_weights else "",
         PDL=pdl,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
