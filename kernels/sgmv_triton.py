@@ -677,7 +677,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
     if t.max_a_block is not None:  # wide hidden sizes: fewer whole rows of A per item
         block_n = min(block_n, _pow2_at_most(max(1, t.max_a_block // k_per_split)))
     num_cb = cdiv(num_cols, block_n)
-    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
+    bound_tiles = _bound_tiles(num_tokens, t.block_m, num_segments)
     constants = dict(
         _shared_constants(t, max_rank, num_segments, num_slots, pdl),
         NUM_COLS=num_cols,
@@ -691,7 +691,8 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         PRELOAD_A=pdl and k_per_split == block_k,
         LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
     )
-    grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
+    programs = (bound_tiles + SPARE_TILES) * num_cb * split_k
+    grid = (min(programs, num_sms * t.programs_per_sm),)
     return _Plan(grid, constants, split_k, bound_tiles * num_cb)
 
 
@@ -703,7 +704,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
     block_cap = t.block_n if t.max_tile is None else min(t.block_n, max(16, t.max_tile // block_r))
     block_n, num_nb, slice_consts = _slice_blocks(out_offsets, block_cap)
-    bound_tiles = cdiv(num_tokens, t.block_m) + num_segments
+    bound_tiles = _bound_tiles(num_tokens, t.block_m, num_segments)
     constants = dict(
         _shared_constants(t, max_rank, num_segments, num_slots, pdl),
         **slice_consts,
@@ -713,7 +714,28 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         MULTI_R=max_rank > block_r,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
     )
-    return _Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
+    programs = (bound_tiles + SPARE_TILES) * num_nb
+    return _Plan((min(programs, num_sms * t.programs_per_sm),), constants)
+
+
+def _bound_tiles(num_tokens: int, block_m: int, num_segments: int) -> int:
+    """The most token tiles `num_segments` disjoint segments over `num_tokens` tokens can own: a
+    non-empty segment of l tokens owns ceil(l / block_m) <= (l + block_m - 1) // block_m, at most
+    min(S, T) segments are non-empty, and no tile is empty."""
+    live = min(num_segments, num_tokens)
+    return min(num_tokens, (num_tokens + live * (block_m - 1)) // block_m)
+
+
+# Programs launched past the bound on the items, in tiles' worth of items: each runs its
+# prologue and waits on the kernel before, and finds no item. Whole layers, graph replay, H100,
+# 2026-11-25, us/layer for a grid of the bound plus 0 / 1 / (the segment count: the bound this
+# replaced) tiles: B = D = 64 rank 16 65.6 / 65.8 / 68.4, over ranks 8-64 120.9 / 121.0 / 122.5,
+# 8 over 8 rank-64 adapters 33.3 / 33.5 / 35.2; one token 9.69 / 9.25 / 9.25, 8 tokens over one
+# adapter 12.40 / 11.69 / 11.69, 8 over 8 rank-16 adapters 13.48 / 13.31 / 12.93. Idle programs
+# cost a chain of dependent launches time (`bench_launch_chain`: eight minimal kernels 6.3 us at
+# 132 programs each, 12.3 at 1,056), yet a grid that ends exactly at the last item loses at the
+# smallest batches; one spare tile keeps both.
+SPARE_TILES = 1
 
 
 def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: bool) -> dict:

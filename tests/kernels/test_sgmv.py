@@ -366,6 +366,36 @@ class TestLaunchers:
         assert (plan.constants["BLOCK_N"], plan.constants["BLOCK_R"]) == (block_n, block_r)
         assert plan.constants["NUM_NB"] == sum(-(-w // block_n) for w in (4096, 1024, 1024))
 
+    @pytest.mark.parametrize("block_m", [1, 2, 4, 16])
+    def test_grid_bound_is_the_most_tiles_any_segmentation_owns(self, block_m):
+        """Every way of cutting T tokens into at most S disjoint segments (padding segments
+        empty) owns at most `_bound_tiles` tiles, and some way owns exactly that many: the grid
+        covers every batch a CUDA graph may replay, with no program to spare."""
+        def most_tiles(tokens_left, segments):
+            if segments == 0 or tokens_left == 0:
+                return 0
+            return max(-(-n // block_m) + most_tiles(tokens_left - n, segments - 1)
+                       for n in range(tokens_left + 1))
+
+        for tokens in range(1, 11):
+            for segments in range(1, 6):
+                assert sgmv_triton._bound_tiles(tokens, block_m, segments) == most_tiles(
+                    tokens, segments), (tokens, segments)
+
+    def test_one_token_tiles_launch_a_program_per_item_and_a_spare_tile(self):
+        # one-token tiles: a program per (token, column block) plus SPARE_TILES tiles' worth,
+        # however many segments the batch holds (at most one per token)
+        offsets = (0, 4096, 5120, 6144)
+        spare = sgmv_triton.SPARE_TILES
+        e = sgmv_triton._expand_plan(sgmv_triton._expand_table(True, 16), 8, offsets, 16, 8, 64,
+                                     False, 132)
+        assert e.constants["BLOCK_M"] == 1
+        assert e.grid == ((8 + spare) * e.constants["NUM_NB"],)
+        for segments in (1, 4):
+            s = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True, 16), 1, 4096, 48, 16,
+                                         segments, 64, False, 132)
+            assert s.grid == ((1 + spare) * s.constants["NUM_CB"],)
+
     def test_pools_of_up_to_64_slots_share_compiled_kernels(self):
         # Compile-time constants must not follow the slot count below 64.
         offsets = (0, 4096, 5120, 6144)
