@@ -19,3 +19,12 @@ def test_a_layer_chains_every_link():
     for p in range(programs):
         want = through_0[-2] + blocks[-1, p]
         assert torch.allclose(last[p], want.cpu().expand(ROW), rtol=1e-4, atol=1e-3)
+
+
+def test_a_heavy_link_alone_reads_weights():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    chain = Chain(programs=2, weight_kb=1, pdl=False, device=device, layers=1, heavy_link=2)
+    chain.layer(0)
+    blocks = chain.weights.float().view(LAUNCHES, 2, -1).sum(dim=2)
+    last = chain.rows[LAUNCHES % 2].view(2, ROW).cpu()
+    assert torch.allclose(last, blocks[2, 0].cpu().expand(2, ROW), rtol=1e-4, atol=1e-3)
