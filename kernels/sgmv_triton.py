@@ -167,6 +167,18 @@ def _product_kn(u, v, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _settle(v, sink_ptr, SETTLE: tl.constexpr):
+    """Under SETTLE, this thread's loads of the weight block `v` [rank step, columns] land before
+    it goes on to `gdc_wait`: a store that needs every loaded value to decide whether it happens,
+    and happens only for a NaN weight, into a scratch buffer no one reads (`_sink`). The max runs
+    over the rank, which one-token tiles hold within each thread. Why it shortens the chain of
+    dependent kernels is not known; that it does was timed (`ExpandTiling.settle_weights`)."""
+    if SETTLE:
+        m = tl.max(v.to(tl.float32), axis=0)
+        tl.store(sink_ptr + tl.arange(0, v.shape[1]) % SINK_SIZE, m, mask=m != m)
+
+
+@triton.jit
 def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                 WEIGHT_EVICT: tl.constexpr):
@@ -432,9 +444,10 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
 
 
 @triton.jit
-def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, stride_ht, stride_br,
-                  stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  MULTI_R: tl.constexpr, PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
+def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, sink_ptr, stride_ht,
+                  stride_br, stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  MULTI_R: tl.constexpr, PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr,
+                  SETTLE: tl.constexpr):
     """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
     y[row, cols] += scale * h[row, :rank] . B[:rank, cols], summed over the rank step's rows. A
     16-row tile would carry 15 dead rows through the product, the layout changes and the
@@ -444,6 +457,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, strid
     r_in = offs_r < rank
     bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)  # [R step, N]
     if PDL:
+        _settle(bv, sink_ptr, SETTLE)
         gdc_wait()
     yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
     hv = tl.load(h_ptrs + row * stride_ht + offs_r, mask=r_in, other=0.0)
@@ -464,6 +478,7 @@ def _sgmv_expand_kernel(
     h_ptr,  # [T, NUM_SLICES * MAX_RANK]
     b_ptr,  # [num_slots, MAX_RANK, O_4] (rank-major)
     y_ptr,  # [T, O_4]
+    sink_ptr,  # [SINK_SIZE] float32 scratch (`_settle`)
     seg_indptr_ptr,
     seg_slots_ptr,
     slot_ranks_ptr,
@@ -493,6 +508,7 @@ def _sgmv_expand_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     WEIGHT_EVICT: tl.constexpr = "",  # B's loads: "evict_first" streams it past the caches
+    SETTLE: tl.constexpr = False,  # one-token tiles' B block lands before `gdc_wait` (`_settle`)
 ):
     if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
         gdc_launch_dependents()
@@ -529,8 +545,8 @@ def _sgmv_expand_kernel(
             else:
                 cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
-                              b_slot, y_ptr, stride_ht, stride_br, stride_yt,
-                              BLOCK_N, BLOCK_R, MULTI_R, PDL, WEIGHT_EVICT)
+                              b_slot, y_ptr, sink_ptr, stride_ht, stride_br, stride_yt,
+                              BLOCK_N, BLOCK_R, MULTI_R, PDL, WEIGHT_EVICT, SETTLE)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
@@ -608,7 +624,7 @@ def triton_expand(
                         _num_sms(y.device), _pdl_enabled(y.device))
     _EXPAND(
         plan,
-        (h, b, y,
+        (h, b, y, _sink(y.device),
          batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
          num_segments, num_slots,
          h.stride(0), b.stride(0), b.stride(1), y.stride(0)),
@@ -715,6 +731,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
     )
     programs = (bound_tiles + SPARE_TILES) * num_nb
+    constants["SETTLE"] = pdl and t.settle_weights
     return _Plan((min(programs, num_sms * t.programs_per_sm),), constants)
 
 
@@ -840,6 +857,19 @@ def _pdl_supported(device: torch.device) -> bool:
 
 def _pdl_enabled(device: torch.device) -> bool:
     return PDL and _pdl_supported(device)
+
+
+SINK_SIZE = tl.constexpr(1024)
+_sinks: dict[torch.device, torch.Tensor] = {}
+
+
+def _sink(device: torch.device) -> torch.Tensor:
+    """`_settle`'s scratch buffer on a device, kept for the process (captured graphs hold its
+    address). Written only where a weight is NaN; read by no one."""
+    sink = _sinks.get(device)
+    if sink is None:
+        sink = _sinks[device] = torch.empty(int(SINK_SIZE), dtype=torch.float32, device=device)
+    return sink
 
 
 _lock_buffers: dict[torch.device, list[torch.Tensor]] = {}

@@ -132,6 +132,9 @@ class ExpandTiling:
     tile_n: int | None = None
     # B's loads marked first out of the caches (as ShrinkTiling.stream_weights, for y and h).
     stream_weights: bool = False
+    # Under programmatic dependent launch, each thread of a one-token tile waits for its block
+    # of B to land before it waits for the kernel before (`_settle` in kernels/sgmv_triton.py).
+    settle_weights: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_n", self.tile_n)
@@ -180,8 +183,14 @@ SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 # Tiles of one token over 1024 columns: up to 16 tokens for every batch (no second CUDA graph
 # for small buckets; 2 programs per SM), and up to 128 for batches whose every segment is one
 # token (4 per SM, rank steps of 32: half the dependent steps of a rank-64 slot).
+# Up to 16 tokens their blocks of B land before the wait (`settle_weights`): `bench_sgmv`-style
+# A/B in one process (H100, 2026-11-25, whole layers, us/layer, off -> on): one token 9.32 -> 8.95
+# at rank 16, 9.30 -> 8.83 at rank 8; 8 over 8 adapters 13.37 -> 13.07 (rank 16), 11.14 -> 10.97
+# (rank 8); 8 over one adapter 11.67 -> 11.61 (rank 16), 10.76 -> 10.33 (rank 8). Not in the other
+# rows: the same check cost 8 over 8 rank-64 adapters 33.9 -> 36.5, B = D = 64 65.9 -> 69.3 and
+# prefill 228 -> 244 (compiled into a kernel, it costs registers where it does not run).
 _EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
-                                 stream_weights=True)
+                                 stream_weights=True, settle_weights=True)
 
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, _EXPAND_ONE_TOKEN),

@@ -463,6 +463,24 @@ class TestLaunchers:
                                          (0, 4096, 5120, 6144), 16, 4, 64, False, 132)
             assert s.constants["WEIGHT_EVICT"] == e.constants["WEIGHT_EVICT"] == ""
 
+    def test_only_the_few_token_expand_row_settles_its_weights(self):
+        """The one-token expand's blocks of B land before the wait up to 16 tokens in rank-16
+        pools, under programmatic dependent launch only; every other row leaves them in flight."""
+        offsets = (0, 4096, 5120, 6144)
+
+        def settle(one_token, max_rank, tokens, pdl):
+            return sgmv_triton._expand_plan(sgmv_triton._expand_table(one_token, max_rank),
+                                            tokens, offsets, max_rank, tokens, 64, False, 132,
+                                            pdl).constants["SETTLE"]
+
+        for one_token in (False, True):
+            for tokens in (1, 8, 16):
+                assert settle(one_token, 16, tokens, True)
+                assert not settle(one_token, 16, tokens, False)
+                assert not settle(one_token, sgmv_triton.WIDE_RANK, tokens, True)
+            for tokens in (64, 128, 2048):
+                assert not settle(one_token, 16, tokens, True)
+
     def test_segments_of_several_tokens_pick_their_rows(self):
         """17-128 tokens not all in one-token segments: in rank-16 pools one-token tiles up to
         32 tokens and 16-token tiles with K split 512 past them; in pools of a wide max rank the
