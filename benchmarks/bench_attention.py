@@ -16,7 +16,6 @@ at max_model_len among sequences at the first context, the case split-K is for.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,7 +77,7 @@ def make_layers(
 def graph_us_per_layer(layers: Layers, attend: Callable) -> float:
     """Capture one call per layer cache into a CUDA graph; µs per layer over its replays.
     `attend(q, k_cache, v_cache, out)` writes out."""
-    from benchmarks.common import time_cuda
+    from benchmarks.common import graph_replay_us
 
     outs = [torch.empty_like(layers.q) for _ in layers.caches]
 
@@ -86,15 +85,7 @@ def graph_us_per_layer(layers: Layers, attend: Callable) -> float:
         for (k, v), out in zip(layers.caches, outs, strict=True):
             attend(layers.q, k, v, out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and settle allocations outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return time_cuda(graph.replay, iters=20, repeats=7, warmup=3) / len(layers.caches)
+    return graph_replay_us(step) / len(layers.caches)
 
 
 class TritonDecode:
@@ -131,6 +122,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import hbm_bandwidth, write_results
 
+    args.out = args.out or "benchmarks/results"
     torch.manual_seed(0)
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -268,14 +260,9 @@ def main() -> None:
     ap.add_argument("--out", default=None,
                     help="results folder (default benchmarks/results on GPU; none in --smoke)")
     args = ap.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-        run_smoke(args)
-        return
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU; use --smoke to check the plumbing on CPU")
-    args.out = args.out or "benchmarks/results"
-    run_gpu(args)
+    from benchmarks.common import run_smoke_or_gpu
+
+    run_smoke_or_gpu(args, run_smoke, run_gpu)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ one program per SM and against the bandwidth floor.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -102,23 +101,13 @@ class Chain:
                                         **({"launch_pdl": True} if self.pdl else {}))
 
     def us_per_layer(self) -> float:
-        from benchmarks.common import time_cuda
+        from benchmarks.common import graph_replay_us
 
         def step():
             for layer in range(self.layers):
                 self.layer(layer)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # compile before capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        us = time_cuda(graph.replay, iters=20, repeats=7, warmup=3) / self.layers
-        del graph
-        return us
+        return graph_replay_us(step) / self.layers
 
 
 def run_gpu(args: argparse.Namespace) -> None:
@@ -200,13 +189,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, no timing")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-        run_smoke(args)
-        return
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU; use --smoke to check the plumbing on CPU")
-    run_gpu(args)
+    from benchmarks.common import run_smoke_or_gpu
+
+    run_smoke_or_gpu(args, run_smoke, run_gpu)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import functools
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -206,24 +205,15 @@ def gather_bmm_layer(p: Problem, layer: int, groups=None) -> None:
 
 
 def graph_us_per_layer(p: Problem, layer_fn, groups=None, iters: int = 20) -> float:
-    """Capture `layer_fn` over every layer into one CUDA graph; µs per layer over its replays."""
-    from benchmarks.common import time_cuda
+    """Capture `layer_fn` over every layer into one CUDA graph; µs per layer over its replays
+    (the run before the capture also grows the split-K counters)."""
+    from benchmarks.common import graph_replay_us
 
     def step():
         for layer in range(len(p.weights)):
             layer_fn(p, layer, groups)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and settle allocations (split-K counters included) before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    us = time_cuda(graph.replay, iters=iters, repeats=7, warmup=3) / len(p.weights)
-    del graph
-    return us
+    return graph_replay_us(step, iters) / len(p.weights)
 
 
 def check_against_reference(p: Problem) -> float:
@@ -718,6 +708,7 @@ def sgmv_triton_pdl() -> bool:
 def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import hbm_bandwidth, write_results
 
+    args.out = args.out or "benchmarks/results"
     torch.manual_seed(0)
     if args.sweep:
         sweep(args)
@@ -827,14 +818,9 @@ def main() -> None:
     ap.add_argument("--out", default=None,
                     help="results folder (default benchmarks/results on GPU; none in --smoke)")
     args = ap.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-        run_smoke(args)
-        return
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU; use --smoke to check the plumbing on CPU")
-    args.out = args.out or "benchmarks/results"
-    run_gpu(args)
+    from benchmarks.common import run_smoke_or_gpu
+
+    run_smoke_or_gpu(args, run_smoke, run_gpu)
 
 
 if __name__ == "__main__":

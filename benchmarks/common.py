@@ -3,8 +3,10 @@ writing results (markdown table + JSON) with the command, device and date."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -34,6 +36,34 @@ def time_cuda(
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1000 / iters)
     return statistics.median(samples)
+
+
+def graph_replay_us(step: Callable[[], object], iters: int = 20) -> float:
+    """`step` captured into one CUDA graph (after a run on a side stream, which compiles kernels
+    and settles allocations outside the capture); µs per replay, as `time_cuda`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    us = time_cuda(graph.replay, iters=iters, repeats=7, warmup=3)
+    del graph
+    return us
+
+
+def run_smoke_or_gpu(args: argparse.Namespace, run_smoke: Callable, run_gpu: Callable) -> None:
+    """A benchmark's entry: `--smoke` runs Triton's interpreter on CPU (chosen before triton is
+    first imported), anything else needs a CUDA GPU."""
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        run_smoke(args)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU; use --smoke to check the plumbing on CPU")
+    run_gpu(args)
 
 
 def hbm_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -120,10 +120,9 @@ def expand(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
                            max_rank, segments, slots, float32, NUM_SMS, pdl)
     p = _POINTER[dtype]
     types = dict(h_ptr=p, b_ptr=p, y_ptr=p, sink_ptr="*fp32", seg_indptr_ptr="*i32",
-                 seg_slots_ptr="*i32",
-                 slot_ranks_ptr="*i32", slot_scalings_ptr="*fp32", num_segments="i32",
-                 num_slots="i32", stride_ht="i32", stride_bs="i32", stride_br="i32",
-                 stride_yt="i32")
+                 seg_slots_ptr="*i32", slot_ranks_ptr="*i32", slot_scalings_ptr="*fp32",
+                 num_segments="i32", num_slots="i32", stride_ht="i32", stride_bs="i32",
+                 stride_br="i32", stride_yt="i32")
     constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)))
     width = offsets[-1]
     ints = dict(num_segments=segments, num_slots=slots, stride_ht=(len(offsets) - 1) * max_rank,

@@ -729,18 +729,18 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_R=block_r,
         MULTI_R=max_rank > block_r,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
+        SETTLE=pdl and t.settle_weights,
     )
     programs = (bound_tiles + SPARE_TILES) * num_nb
-    constants["SETTLE"] = pdl and t.settle_weights
     return _Plan((min(programs, num_sms * t.programs_per_sm),), constants)
 
 
 def _bound_tiles(num_tokens: int, block_m: int, num_segments: int) -> int:
     """The most token tiles `num_segments` disjoint segments over `num_tokens` tokens can own: a
-    non-empty segment of l tokens owns ceil(l / block_m) <= (l + block_m - 1) // block_m, at most
-    min(S, T) segments are non-empty, and no tile is empty."""
+    non-empty segment of l tokens owns ceil(l / block_m) = (l + block_m - 1) // block_m, and at
+    most min(S, T) segments are non-empty (so the bound never passes T: no tile is empty)."""
     live = min(num_segments, num_tokens)
-    return min(num_tokens, (num_tokens + live * (block_m - 1)) // block_m)
+    return (num_tokens + live * (block_m - 1)) // block_m
 
 
 # Programs launched past the bound on the items, in tiles' worth of items: each runs its
