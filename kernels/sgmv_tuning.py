@@ -150,12 +150,19 @@ def _check_tile_step(name: str, value: int | None) -> None:
 NO_SPLIT = 1 << 30
 
 # (max tokens or None, tiling), first match wins.
-# Whole rows of A per one-token item: up to 16 tokens two rows of a 4,096-wide group over 8 warps,
-# for 17-128 eight rows over 8 warps and 2 programs per SM (down: one row, two). `bench_sgmv
-# --sweep --sweep-kernel shrink` (H100, 2026-11-24, shrink alone over a layer, us/layer, 4 warps
-# at 4 per SM -> 8 at 2): B = D = 64 rank 16 38.2 -> 35.2.
-_SHRINK_FEW_TOKENS = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1,
-                                  programs_per_sm=8, max_a_block=8192, stream_weights=True)
+# Whole rows of A per one-token item: up to 16 tokens two rows over 8 warps, for 17-128 eight rows
+# of a 4,096-wide group over 8 warps and 2 programs per SM (down: two). `bench_sgmv --sweep
+# --sweep-kernel shrink` (H100, 2026-11-24, shrink alone over a layer, us/layer, 4 warps at 4 per
+# SM -> 8 at 2): B = D = 64 rank 16 38.2 -> 35.2.
+# Up to 16 tokens down takes two rows too (it took one): after the wait every item reads its
+# token's row of x, 28 KB for down, from L2, so one row an item read each token's x sixteen times
+# at the moment the whole kernel starts at once. A/B in one process (H100, 2026-11-25, whole
+# layers, us/layer, one row -> two): one token 8.94 -> 8.83 (rank 16), 8.83 -> 8.60 (rank 8),
+# 11.63 -> 11.50 (rank 64); 8 over 8 adapters 13.00 -> 12.68 (rank 16), 10.98 -> 10.91 (rank 8);
+# 8 over one adapter 11.61 -> 11.42 (rank 16), 10.34 -> 10.17 (rank 8); four rows 9.28, 13.12,
+# 11.83 (registers: fewer programs stay resident ahead of their wait).
+_SHRINK_FEW_TOKENS = ShrinkTiling(1, 2, 16384, NO_SPLIT, num_warps=8, num_stages=1,
+                                  programs_per_sm=8, max_a_block=32768, stream_weights=True)
 
 # 17-128 tokens with segments of several tokens: 16-token tiles, K split 512-wide in rank-16
 # pools (more items for few adapters), 1024-wide in pools of a wide max rank (below).

@@ -396,6 +396,18 @@ class TestLaunchers:
                                          segments, 64, False, 132)
             assert s.grid == ((1 + spare) * s.constants["NUM_CB"],)
 
+    def test_few_token_items_take_two_rows_of_a_at_every_hidden_size(self):
+        # Up to 16 tokens a one-token item holds two whole rows of A, the down projection's
+        # 14,336-wide rows too (one row an item would read each token's x row twice as often).
+        for hidden, cols in ((4096, 48), (14336, 16)):
+            for tokens in (1, 8, 16):
+                for one_token in (False, True):
+                    s = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(one_token, 16),
+                                                 tokens, hidden, cols, 16, tokens, 64, False, 132)
+                    assert s.constants["BLOCK_M"] == 1 and s.split_k == 1
+                    assert s.constants["BLOCK_N"] == 2, (hidden, tokens)
+                    assert s.constants["BLOCK_K"] >= hidden
+
     def test_pools_of_up_to_64_slots_share_compiled_kernels(self):
         # Compile-time constants must not follow the slot count below 64.
         offsets = (0, 4096, 5120, 6144)
