@@ -8,6 +8,7 @@
 #   bash benchmarks/device_suite.sh sgmv-wide                    #   at B <= 8, rank-64 pools
 #   bash benchmarks/device_suite.sh sgmv-residency               # B <= 8: HBM against L2 weights
 #   bash benchmarks/device_suite.sh launch-chain                 # B <= 8: the launch-chain floor
+#   bash benchmarks/device_suite.sh sgmv-timeline                # B <= 8: kernels on one clock
 #   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
 #   bash benchmarks/device_suite.sh copy-overlap                 # load-stream copies vs the step;
 #                                                                #   host time of an adapter write
@@ -78,6 +79,8 @@ for s in "$@"; do
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
         launch-chain)  # eight dependent launches a layer: the small-batch latency floor
             stage launch-chain 180 python -m benchmarks.bench_launch_chain --out "$OUT" ;;
+        sgmv-timeline)  # B <= 8: each kernel's programs on one clock (where the layer's time goes)
+            stage sgmv-timeline 300 python -m benchmarks.bench_sgmv_timeline --out "$OUT" ;;
         sgmv-sweep) stage sgmv-sweep 420 python -m benchmarks.bench_sgmv --sweep ;;
         sgmv-wide)  # B <= 8 in a pool of max rank 64 (the wide-rank rows against the candidates)
             stage sgmv-wide 540 python -m benchmarks.bench_sgmv --sweep --sweep-cases 11,12,13,14 ;;

@@ -98,8 +98,9 @@ def shrink(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
     types = dict(x_ptr=p, a_ptr=p, h_ptr=p, part_ptr="*fp32", lock_ptr="*i32",
                  seg_indptr_ptr="*i32", seg_slots_ptr="*i32", slot_ranks_ptr="*i32",
                  num_segments="i32", num_slots="i32", num_tokens="i32", K="i32",
-                 stride_xt="i32", stride_as="i32", stride_ar="i32", stride_ht="i32")
-    constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)))
+                 stride_xt="i32", stride_as="i32", stride_ar="i32", stride_ht="i32",
+                 trace_ptr="*fp32")
+    constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)), TRACE=False)
     cols = len(outs) * max_rank
     ints = dict(num_segments=segments, num_slots=slots, num_tokens=tokens, K=hidden,
                 stride_xt=hidden, stride_as=cols * hidden, stride_ar=hidden, stride_ht=cols)
@@ -122,8 +123,8 @@ def expand(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
     types = dict(h_ptr=p, b_ptr=p, y_ptr=p, sink_ptr="*fp32", seg_indptr_ptr="*i32",
                  seg_slots_ptr="*i32", slot_ranks_ptr="*i32", slot_scalings_ptr="*fp32",
                  num_segments="i32", num_slots="i32", stride_ht="i32", stride_bs="i32",
-                 stride_br="i32", stride_yt="i32")
-    constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)))
+                 stride_br="i32", stride_yt="i32", trace_ptr="*fp32")
+    constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)), TRACE=False)
     width = offsets[-1]
     ints = dict(num_segments=segments, num_slots=slots, stride_ht=(len(offsets) - 1) * max_rank,
                 stride_bs=width * max_rank, stride_br=width, stride_yt=width)

@@ -38,6 +38,7 @@ accumulation is float32.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -178,6 +179,40 @@ def _settle(v, sink_ptr, SETTLE: tl.constexpr):
         tl.store(sink_ptr + tl.arange(0, v.shape[1]) % SINK_SIZE, m, mask=m != m)
 
 
+# A program's timeline record (`record_timeline`): the global timer (ns) at its start, once its
+# last item is located, once that item's `gdc_wait` returned, at its end; and its SM.
+TIMELINE_FIELDS = tl.constexpr(5)
+_START = tl.constexpr(0)
+_LOCATED = tl.constexpr(1)
+_WAITED = tl.constexpr(2)
+_END = tl.constexpr(3)
+_SM = tl.constexpr(4)
+
+
+@triton.jit
+def _stamp(record_ptr, FIELD: tl.constexpr, after, TRACE: tl.constexpr):
+    """Under TRACE, the global timer into this program's record once `after` (a scalar) is known;
+    the timer read is volatile, so it also stays after the waits and stores before it."""
+    if TRACE:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(record_ptr + FIELD, t)
+
+
+@triton.jit
+def _record_ptr(trace_ptr, TRACE: tl.constexpr):
+    """This program's timeline record in its launch's row; under TRACE, stamps its start and its
+    SM."""
+    pid = tl.program_id(0)
+    record = trace_ptr + pid * TIMELINE_FIELDS
+    if TRACE:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [pid],
+                                       dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(record + _SM, sm.to(tl.int64))
+    _stamp(record, _START, pid, TRACE)
+    return record
+
+
 @triton.jit
 def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -204,7 +239,7 @@ def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
 def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride_xt,
                   stride_as, stride_ar, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
-                  WEIGHT_EVICT: tl.constexpr):
+                  WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
     """h[row, cols] (or its split-K partial: the float32 sum over hidden [k_lo, k_hi)) for one
     token: a matrix-vector product over x's row, BLOCK_K at a time; columns outside `col_live`
     read nothing. With PRELOAD_A the range is one step, and its A block is read before
@@ -218,11 +253,13 @@ def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride
         av = tl.load(a_rows + k_lo, mask=col_live[:, None] & k_in[None, :], other=0.0,
                      eviction_policy=WEIGHT_EVICT)
         gdc_wait()
+        _stamp(record, _WAITED, k_lo, TRACE)
         xv = tl.load(x_row + k_lo, mask=k_in[None, :], other=0.0)
         acc = _product(xv, av, acc, PRECISION)
     else:
         if PDL:
             gdc_wait()
+            _stamp(record, _WAITED, k_lo, TRACE)
         acc = _shrink_acc(x_row, a_rows, tl.arange(0, 1) < 1, col_live, acc, k_lo, k_hi, K,
                           BLOCK_K, EVEN_K, PRECISION, WEIGHT_EVICT)
     return acc
@@ -235,7 +272,8 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                 PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
+                 PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record,
+                 TRACE: tl.constexpr):
     """Work item (tile j, column block cb, K split ks): h for the tile's rows and the block's
     columns; with split-K, this split's partial, and the sum of all if it arrives last."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -257,6 +295,7 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
         if BLOCK_M > 1 and end_row - first_row > 1:
             if PDL:
                 gdc_wait()
+                _stamp(record, _WAITED, k_lo, TRACE)
             offs_tk = tl.arange(0, TILE_K)
             a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_tk[None, :]
             x_tile = x_ptr + rows[:, None] * stride_xt + offs_tk[None, :]
@@ -265,7 +304,8 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
         else:
             acc += _shrink_token(x_ptr, a_ptr, first_row.to(tl.int64), slot, cols, col_live,
                                  k_lo, k_hi, K, stride_xt, stride_as, stride_ar, BLOCK_K,
-                                 EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT)
+                                 EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record,
+                                 TRACE)
 
         if SPLIT_K == 1:
             tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
@@ -303,7 +343,7 @@ def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, 
                        NUM_CB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                        PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
-                       WEIGHT_EVICT: tl.constexpr):
+                       WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
     """The shrink over one-token tiles without split-K, with items only for the column blocks
     below each slot's rank: a token of rank r has ceil(r / BLOCK_N) blocks in each slice (BLOCK_N
     divides MAX_RANK), so in a pool of a wide max rank a low-rank token no longer leaves most of
@@ -320,6 +360,7 @@ def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, 
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         start, _, slot, local = _locate_item(item, starts, ends, slots, seg_items, items_incl)
         rank = _slot_value(slot, slot_ids, slot_ranks)
+        _stamp(record, _LOCATED, rank, TRACE)
         live = (rank + BLOCK_N - 1) // BLOCK_N  # column blocks per slice
         row = start + local // (live * num_slices)
         block = local % (live * num_slices)
@@ -327,7 +368,7 @@ def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, 
         _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, row, row + 1, slot.to(tl.int64),
                      rank, 0, cb, 0, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
                      MAX_RANK, NUM_COLS, NUM_CB, 1, BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, 1,
-                     EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT)
+                     EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record, TRACE)
 
 
 @triton.jit
@@ -348,6 +389,7 @@ def _sgmv_shrink_kernel(
     stride_as,
     stride_ar,
     stride_ht,
+    trace_ptr,  # int64 timeline records of this launch under TRACE (`record_timeline`)
     MAX_RANK: tl.constexpr,
     NUM_COLS: tl.constexpr,
     NUM_CB: tl.constexpr,
@@ -365,7 +407,9 @@ def _sgmv_shrink_kernel(
     PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
     LIVE_ITEMS: tl.constexpr = False,  # one-token tiles: items only below the slot's rank
     WEIGHT_EVICT: tl.constexpr = "",  # A's loads: "evict_first" streams it past the caches
+    TRACE: tl.constexpr = False,  # per-program timestamps (diagnostics)
 ):
+    record = _record_ptr(trace_ptr, TRACE)
     if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
         gdc_launch_dependents()
     starts, ends, slots, tiles, tiles_incl = _segment_table(
@@ -381,7 +425,7 @@ def _sgmv_shrink_kernel(
                            ends, slots, slot_ids, slot_ranks, num_tokens, K, stride_xt,
                            stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_N,
                            BLOCK_K, TILE_K, K_PER_SPLIT, EVEN_K, PRECISION, PDL, PRELOAD_A,
-                           WEIGHT_EVICT)
+                           WEIGHT_EVICT, record, TRACE)
     else:
         num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
         for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -391,13 +435,15 @@ def _sgmv_shrink_kernel(
             first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl,
                                                     BLOCK_M)
             rank = _slot_value(slot, slot_ids, slot_ranks)
+            _stamp(record, _LOCATED, rank, TRACE)
             _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
                          slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt,
                          stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M,
                          BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL,
-                         PRELOAD_A, WEIGHT_EVICT)
+                         PRELOAD_A, WEIGHT_EVICT, record, TRACE)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
+    _stamp(record, _END, tl.program_id(0), TRACE)
 
 
 @triton.jit
@@ -413,7 +459,7 @@ def _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT: tl.constex
 def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr,
                  stride_ht, stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
+                 PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
     """y[tile rows, cols] += scale * h[rows, slice ranks] . B[:rank, cols]. `h_ptrs` points at
     the slice's first rank column of h, `b_slot` at the slot's B ([R, out], rank-major). The
     first rank step's B rows are read before the wait; the steps after it, up to the slot's
@@ -427,6 +473,7 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
     bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)  # [R step, N]
     if PDL:
         gdc_wait()
+        _stamp(record, _WAITED, rank, TRACE)
     yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
     hv = tl.load(h_ptrs + rows[:, None] * stride_ht + offs_r[None, :],
                  mask=row_mask[:, None] & r_in[None, :], other=0.0)
@@ -447,7 +494,7 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
 def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, sink_ptr, stride_ht,
                   stride_br, stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   MULTI_R: tl.constexpr, PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr,
-                  SETTLE: tl.constexpr):
+                  SETTLE: tl.constexpr, record, TRACE: tl.constexpr):
     """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
     y[row, cols] += scale * h[row, :rank] . B[:rank, cols], summed over the rank step's rows. A
     16-row tile would carry 15 dead rows through the product, the layout changes and the
@@ -459,6 +506,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, sink_
     if PDL:
         _settle(bv, sink_ptr, SETTLE)
         gdc_wait()
+        _stamp(record, _WAITED, rank, TRACE)
     yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
     hv = tl.load(h_ptrs + row * stride_ht + offs_r, mask=r_in, other=0.0)
     acc = tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
@@ -489,6 +537,7 @@ def _sgmv_expand_kernel(
     stride_bs,
     stride_br,
     stride_yt,
+    trace_ptr,  # int64 timeline records of this launch under TRACE (`record_timeline`)
     MAX_RANK: tl.constexpr,
     O_1: tl.constexpr,  # slice i owns output columns [O_i, O_{i+1}); O_0 = 0
     O_2: tl.constexpr,  # slices past NUM_SLICES have O_i = the total width (empty)
@@ -509,7 +558,9 @@ def _sgmv_expand_kernel(
     PDL: tl.constexpr,
     WEIGHT_EVICT: tl.constexpr = "",  # B's loads: "evict_first" streams it past the caches
     SETTLE: tl.constexpr = False,  # one-token tiles' B block lands before `gdc_wait` (`_settle`)
+    TRACE: tl.constexpr = False,  # per-program timestamps (diagnostics)
 ):
+    record = _record_ptr(trace_ptr, TRACE)
     if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
         gdc_launch_dependents()
     starts, ends, slots, tiles, tiles_incl = _segment_table(
@@ -527,6 +578,7 @@ def _sgmv_expand_kernel(
         j = item // NUM_NB
         first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M)
         rank = _slot_value(slot, slot_ids, slot_ranks)
+        _stamp(record, _LOCATED, rank, TRACE)
         if rank > 0:
             scale = _slot_value(slot, slot_ids, slot_scales)
             sl, col0, col_end = _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_N)
@@ -541,14 +593,16 @@ def _sgmv_expand_kernel(
                     _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale,
                                  h_ptrs, b_slot, y_ptr, stride_ht, stride_br, stride_yt,
                                  BLOCK_M, TILE_N, BLOCK_R, MULTI_R,
-                                 PRECISION, PDL and sub == 0, WEIGHT_EVICT)
+                                 PRECISION, PDL and sub == 0, WEIGHT_EVICT, record, TRACE)
             else:
                 cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
                               b_slot, y_ptr, sink_ptr, stride_ht, stride_br, stride_yt,
-                              BLOCK_N, BLOCK_R, MULTI_R, PDL, WEIGHT_EVICT, SETTLE)
+                              BLOCK_N, BLOCK_R, MULTI_R, PDL, WEIGHT_EVICT, SETTLE, record,
+                              TRACE)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
+    _stamp(record, _END, tl.program_id(0), TRACE)
 
 
 # Eager steps launch each kernel once per layer with the same plan: skip Triton's dispatch.
@@ -590,8 +644,8 @@ def triton_shrink(
         (x, a, h, part, locks,
          batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
          num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
-         x.stride(0), a.stride(0), a.stride(1), h.stride(0)),
-        PRECISION=_precision(x.dtype),
+         x.stride(0), a.stride(0), a.stride(1), h.stride(0), _trace_ptr(plan, x.device)),
+        PRECISION=_precision(x.dtype), TRACE=_timeline is not None,
     )
     return h
 
@@ -627,8 +681,8 @@ def triton_expand(
         (h, b, y, _sink(y.device),
          batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
          num_segments, num_slots,
-         h.stride(0), b.stride(0), b.stride(1), y.stride(0)),
-        PRECISION=_precision(y.dtype),
+         h.stride(0), b.stride(0), b.stride(1), y.stride(0), _trace_ptr(plan, y.device)),
+        PRECISION=_precision(y.dtype), TRACE=_timeline is not None,
     )
 
 
@@ -870,6 +924,50 @@ def _sink(device: torch.device) -> torch.Tensor:
     if sink is None:
         sink = _sinks[device] = torch.empty(int(SINK_SIZE), dtype=torch.float32, device=device)
     return sink
+
+
+class Timeline:
+    """Per-program timestamps of the SGMV launches made while it records (`record_timeline`):
+    `records[launch, program]` holds the global timer (ns) at the program's start, once its last
+    item was located, once that item's `gdc_wait` returned and at its end, then its SM id (0
+    where a program had no item, or for programs past the launch's grid). Launches take rows in
+    order; a CUDA graph captured while recording replays into the same rows."""
+
+    def __init__(self, launches: int, programs: int, device: torch.device) -> None:
+        programs += programs % 2  # each row 16-byte aligned, as the kernels are compiled for
+        self.records = torch.zeros(launches, programs, int(TIMELINE_FIELDS), dtype=torch.int64,
+                                   device=device)
+        self.grids: list[int] = []  # programs of each launch, in row order
+
+    def take_row(self, programs: int) -> int:
+        rows, width = self.records.shape[:2]
+        if len(self.grids) >= rows or programs > width:
+            raise RuntimeError(f"timeline holds {rows} launches of {width} programs")
+        self.grids.append(programs)
+        return len(self.grids) - 1
+
+
+_timeline: Timeline | None = None
+
+
+@contextlib.contextmanager
+def record_timeline(timeline: Timeline):
+    """Launches inside the block record into `timeline` (diagnostics: `bench_sgmv_timeline`).
+    Their kernels are compiled with the timestamps, apart from the ones used otherwise."""
+    global _timeline
+    previous, _timeline = _timeline, timeline
+    try:
+        yield timeline
+    finally:
+        _timeline = previous
+
+
+def _trace_ptr(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """The kernels' trace_ptr: the recording timeline's next row, or a placeholder they never
+    touch."""
+    if _timeline is None:
+        return _sink(device)
+    return _timeline.records[_timeline.take_row(plan.grid[0])]
 
 
 _lock_buffers: dict[torch.device, list[torch.Tensor]] = {}

@@ -73,3 +73,42 @@ def test_pdl_chain_equals_plain_launches(monkeypatch, num_tokens):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, plain)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_timeline_records_every_program_in_order_and_changes_no_result(num_tokens):
+    """`record_timeline` (the timeline benchmark's timestamps): the same outputs bit for bit, a
+    start and an end for every program of every launch, and per program start <= located <=
+    waited <= end; under PDL a kernel's first wait returns no earlier than the kernel before it
+    ended."""
+    device = torch.device("cuda")
+    if not hopper():
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    from kernels import sgmv_triton
+
+    g = torch.Generator(device=device).manual_seed(1)
+    weights = [
+        (torch.randn(4, 3 * RANK, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8,
+         torch.randn(4, RANK, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16) / 4)
+        for _ in range(LAYERS)
+    ]
+    batch = make_batch(num_tokens, device)
+    x = torch.randn(num_tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
+    plain = chain(x, weights, batch)
+    timeline = sgmv_triton.Timeline(2 * LAYERS, 4096, device)
+    with sgmv_triton.record_timeline(timeline):
+        traced = chain(x, weights, batch)
+    torch.cuda.synchronize()
+    assert torch.equal(traced, plain)
+    assert len(timeline.grids) == 2 * LAYERS
+    records = timeline.records.tolist()
+    prev_end = None
+    for launch, grid in enumerate(timeline.grids):
+        programs = records[launch][:grid]
+        assert all(p[0] > 0 and p[3] >= p[0] for p in programs), f"launch {launch}"
+        stamped = [p for p in programs if p[2]]
+        assert stamped, f"launch {launch}: no program waited"
+        assert all(p[0] <= p[1] <= p[2] <= p[3] for p in stamped), f"launch {launch}"
+        if prev_end is not None:
+            assert min(p[2] for p in stamped) >= prev_end, f"launch {launch} waited early"
+        prev_end = max(p[3] for p in programs)
