@@ -703,16 +703,19 @@ def sweep_latency(args: argparse.Namespace) -> None:
 
     def candidates(p: Problem) -> tuple:
         s0, e0 = table_rows(p)
-        shrinks = [s0, replace(s0, settle_weights=not s0.settle_weights)]
         if p.case.max_rank < WIDE_RANK:  # the one-token row of rank-16 pools
             expands = [e0] + [
                 replace(e0, block_n=bn, num_warps=w, programs_per_sm=pps, settle_weights=st)
-                for bn, w, pps, st in ((1024, 4, 3, True), (1024, 4, 2, False),
-                                       (512, 2, 4, True))
+                for bn, w, pps, st in ((1024, 4, 2, False), (1024, 4, 3, False),
+                                       (2048, 8, 1, True), (2048, 8, 1, False),
+                                       (512, 2, 4, True), (512, 2, 4, False))
             ]
         else:  # wide-rank pools: 64 columns x the rank on one warp
-            expands = [e0, replace(e0, settle_weights=True)]
-        return shrinks, expands
+            expands = [e0] + [
+                replace(e0, block_n=bn, num_warps=w, programs_per_sm=pps, tile_n=min(bn, 64))
+                for bn, w, pps in ((128, 2, 16), (256, 4, 8), (64, 1, 16))
+            ]
+        return [s0], expands
 
     picks = args.sweep_cases if args.sweep_cases != [2, 3, 0] else [0, 1, 13, 14, 15, 16]
     for case in ((QUICK + SWEEP_EXTRA)[i] for i in picks):

@@ -99,7 +99,7 @@ def shrink(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
                  seg_indptr_ptr="*i32", seg_slots_ptr="*i32", slot_ranks_ptr="*i32",
                  num_segments="i32", num_slots="i32", num_tokens="i32", K="i32",
                  stride_xt="i32", stride_as="i32", stride_ar="i32", stride_ht="i32",
-                 sink_ptr="*fp32", trace_ptr="*fp32")
+                 trace_ptr="*fp32")
     constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)), TRACE=False)
     cols = len(outs) * max_rank
     ints = dict(num_segments=segments, num_slots=slots, num_tokens=tokens, K=hidden,

@@ -168,26 +168,15 @@ def _product_kn(u, v, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _settle(v, sink_ptr, SETTLE: tl.constexpr, OVER_ROWS: tl.constexpr = True):
-    """Under SETTLE, this thread's loads of the weight block `v` land before it goes on to
-    `gdc_wait`: a store that needs every loaded value to decide whether it happens, and happens
-    only for a weight whose bits are all ones (a NaN), into a scratch buffer no one reads
-    (`_sink`). The check reads the raw bits, so no converted copy of the block stays live across
-    the wait. OVER_ROWS: one check per column, the max over the block's rows (which one-token
-    expand tiles hold within each thread); otherwise one per element (no reduction, so no
-    exchange between threads). Why entering the wait with the weights landed shortens the chain
-    of dependent kernels is not known; that it does was timed (`settle_weights`)."""
+def _settle(v, sink_ptr, SETTLE: tl.constexpr):
+    """Under SETTLE, this thread's loads of the weight block `v` [rank step, columns] land before
+    it goes on to `gdc_wait`: a store that needs every loaded value to decide whether it happens,
+    and happens only for a NaN weight, into a scratch buffer no one reads (`_sink`). The max runs
+    over the rank, which one-token tiles hold within each thread. Why it shortens the chain of
+    dependent kernels is not known; that it does was timed (`ExpandTiling.settle_weights`)."""
     if SETTLE:
-        if v.dtype.primitive_bitwidth == 16:
-            bits = v.to(tl.int16, bitcast=True)
-        else:
-            bits = v.to(tl.int32, bitcast=True)
-        if OVER_ROWS:
-            m = tl.max(bits, axis=0)
-            tl.store(sink_ptr + tl.arange(0, v.shape[1]) % SINK_SIZE, m.to(tl.float32),
-                     mask=m == -1)
-        else:
-            tl.store(sink_ptr + tl.zeros_like(bits), bits.to(tl.float32), mask=bits == -1)
+        m = tl.max(v.to(tl.float32), axis=0)
+        tl.store(sink_ptr + tl.arange(0, v.shape[1]) % SINK_SIZE, m, mask=m != m)
 
 
 # A program's timeline record (`record_timeline`): the global timer (ns) at its start, once its
@@ -250,8 +239,7 @@ def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
 def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride_xt,
                   stride_as, stride_ar, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
-                  WEIGHT_EVICT: tl.constexpr, sink_ptr, SETTLE: tl.constexpr, record,
-                  TRACE: tl.constexpr):
+                  WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
     """h[row, cols] (or its split-K partial: the float32 sum over hidden [k_lo, k_hi)) for one
     token: a matrix-vector product over x's row, BLOCK_K at a time; columns outside `col_live`
     read nothing. With PRELOAD_A the range is one step, and its A block is read before
@@ -264,7 +252,6 @@ def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride
         k_in = (k_lo + offs_k < K) | EVEN_K
         av = tl.load(a_rows + k_lo, mask=col_live[:, None] & k_in[None, :], other=0.0,
                      eviction_policy=WEIGHT_EVICT)
-        _settle(av, sink_ptr, SETTLE, OVER_ROWS=False)
         gdc_wait()
         _stamp(record, _WAITED, k_lo, TRACE)
         xv = tl.load(x_row + k_lo, mask=k_in[None, :], other=0.0)
@@ -285,8 +272,8 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                 PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr, sink_ptr,
-                 SETTLE: tl.constexpr, record, TRACE: tl.constexpr):
+                 PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record,
+                 TRACE: tl.constexpr):
     """Work item (tile j, column block cb, K split ks): h for the tile's rows and the block's
     columns; with split-K, this split's partial, and the sum of all if it arrives last."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -317,8 +304,8 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
         else:
             acc += _shrink_token(x_ptr, a_ptr, first_row.to(tl.int64), slot, cols, col_live,
                                  k_lo, k_hi, K, stride_xt, stride_as, stride_ar, BLOCK_K,
-                                 EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, sink_ptr,
-                                 SETTLE, record, TRACE)
+                                 EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record,
+                                 TRACE)
 
         if SPLIT_K == 1:
             tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
@@ -356,8 +343,7 @@ def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, 
                        NUM_CB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                        PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
-                       WEIGHT_EVICT: tl.constexpr, sink_ptr, SETTLE: tl.constexpr, record,
-                       TRACE: tl.constexpr):
+                       WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
     """The shrink over one-token tiles without split-K, with items only for the column blocks
     below each slot's rank: a token of rank r has ceil(r / BLOCK_N) blocks in each slice (BLOCK_N
     divides MAX_RANK), so in a pool of a wide max rank a low-rank token no longer leaves most of
@@ -382,8 +368,7 @@ def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, 
         _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, row, row + 1, slot.to(tl.int64),
                      rank, 0, cb, 0, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
                      MAX_RANK, NUM_COLS, NUM_CB, 1, BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, 1,
-                     EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, sink_ptr, SETTLE, record,
-                     TRACE)
+                     EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record, TRACE)
 
 
 @triton.jit
@@ -404,7 +389,6 @@ def _sgmv_shrink_kernel(
     stride_as,
     stride_ar,
     stride_ht,
-    sink_ptr,  # [SINK_SIZE] float32 scratch (`_settle`)
     trace_ptr,  # int64 timeline records of this launch under TRACE (`record_timeline`)
     MAX_RANK: tl.constexpr,
     NUM_COLS: tl.constexpr,
@@ -423,7 +407,6 @@ def _sgmv_shrink_kernel(
     PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
     LIVE_ITEMS: tl.constexpr = False,  # one-token tiles: items only below the slot's rank
     WEIGHT_EVICT: tl.constexpr = "",  # A's loads: "evict_first" streams it past the caches
-    SETTLE: tl.constexpr = False,  # a preloaded A block lands before `gdc_wait` (`_settle`)
     TRACE: tl.constexpr = False,  # per-program timestamps (diagnostics)
 ):
     record = _record_ptr(trace_ptr, TRACE)
@@ -442,7 +425,7 @@ def _sgmv_shrink_kernel(
                            ends, slots, slot_ids, slot_ranks, num_tokens, K, stride_xt,
                            stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_N,
                            BLOCK_K, TILE_K, K_PER_SPLIT, EVEN_K, PRECISION, PDL, PRELOAD_A,
-                           WEIGHT_EVICT, sink_ptr, SETTLE, record, TRACE)
+                           WEIGHT_EVICT, record, TRACE)
     else:
         num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
         for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -457,7 +440,7 @@ def _sgmv_shrink_kernel(
                          slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt,
                          stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M,
                          BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL,
-                         PRELOAD_A, WEIGHT_EVICT, sink_ptr, SETTLE, record, TRACE)
+                         PRELOAD_A, WEIGHT_EVICT, record, TRACE)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
     _stamp(record, _END, tl.program_id(0), TRACE)
@@ -661,8 +644,7 @@ def triton_shrink(
         (x, a, h, part, locks,
          batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
          num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
-         x.stride(0), a.stride(0), a.stride(1), h.stride(0), _sink(x.device),
-         _trace_ptr(plan, x.device)),
+         x.stride(0), a.stride(0), a.stride(1), h.stride(0), _trace_ptr(plan, x.device)),
         PRECISION=_precision(x.dtype), TRACE=_timeline is not None,
     )
     return h
@@ -777,7 +759,6 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         SPLIT_K=split_k,
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
-        SETTLE=pdl and k_per_split == block_k and t.settle_weights,
         LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
     )
     programs = (bound_tiles + SPARE_TILES) * num_cb * split_k

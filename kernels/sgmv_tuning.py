@@ -106,10 +106,6 @@ class ShrinkTiling:
     # read their block of A once (decode), so streaming A does not evict x and h rows that
     # several items read. Rows whose tiles share A blocks (prefill) keep the default.
     stream_weights: bool = False
-    # Under programmatic dependent launch, an item whose A block is read before the wait (one
-    # hidden step) waits for it to land before it waits for the kernel before (`_settle` in
-    # kernels/sgmv_triton.py), as ExpandTiling.settle_weights.
-    settle_weights: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_k", self.tile_k)
