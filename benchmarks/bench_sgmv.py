@@ -674,61 +674,20 @@ def sweep_segments(args: argparse.Namespace) -> None:
         time_pairs(case, candidates)
 
 
-@contextlib.contextmanager
-def spare_tiles(count: int):
-    """Launches inside size their grids with `count` spare tiles (plans are cached per row, so
-    the caches are cleared on the way in and out)."""
-    from kernels import sgmv_triton
-
-    saved = sgmv_triton.SPARE_TILES
-    sgmv_triton.SPARE_TILES = count
-    sgmv_triton._shrink_plan.cache_clear()
-    sgmv_triton._expand_plan.cache_clear()
-    try:
-        yield
-    finally:
-        sgmv_triton.SPARE_TILES = saved
-        sgmv_triton._shrink_plan.cache_clear()
-        sgmv_triton._expand_plan.cache_clear()
-
-
 def sweep_latency(args: argparse.Namespace) -> None:
-    """The B <= 8 cells, whole layers, over expand rows of smaller register footprints and over
-    the grid's spare tile: `bench_sgmv_timeline` showed a kernel's programs starting late where
-    the kernels before it held the SMs' registers or launched many programs. For the cases of
-    `--sweep-cases` (default: 0, 1, 13-16). Prints; writes nothing."""
+    """The B <= 8 cells, whole layers, over the grids' spare tiles: `bench_sgmv_timeline` showed
+    a kernel's programs starting late behind a kernel that launched many programs. For the cases
+    of `--sweep-cases` (default: 0, 1, 11-16). Prints; writes nothing."""
     from dataclasses import replace
-
-    from kernels.sgmv_tuning import WIDE_RANK
 
     def candidates(p: Problem) -> tuple:
         s0, e0 = table_rows(p)
-        if p.case.max_rank < WIDE_RANK:  # the one-token row of rank-16 pools
-            expands = [e0] + [
-                replace(e0, block_n=bn, num_warps=w, programs_per_sm=pps, settle_weights=st)
-                for bn, w, pps, st in ((1024, 4, 2, False), (1024, 4, 3, False),
-                                       (2048, 8, 1, True), (2048, 8, 1, False),
-                                       (512, 2, 4, True), (512, 2, 4, False))
-            ]
-        else:  # wide-rank pools: 64 columns x the rank on one warp
-            expands = [e0] + [
-                replace(e0, block_n=bn, num_warps=w, programs_per_sm=pps, tile_n=min(bn, 64))
-                for bn, w, pps in ((128, 2, 16), (256, 4, 8), (64, 1, 16))
-            ]
-        return [s0], expands
+        return ([s0, replace(s0, spare_tiles=1 - min(s0.spare_tiles, 1))],
+                [e0, replace(e0, spare_tiles=1 - min(e0.spare_tiles, 1))])
 
-    picks = args.sweep_cases if args.sweep_cases != [2, 3, 0] else [0, 1, 13, 14, 15, 16]
+    picks = args.sweep_cases if args.sweep_cases != [2, 3, 0] else [0, 1, 11, 12, 13, 14, 15, 16]
     for case in ((QUICK + SWEEP_EXTRA)[i] for i in picks):
         time_pairs(case, candidates)
-        device = torch.device("cuda")
-        p = make_problem(case, LLAMA3_8B, layers_for(case, LLAMA3_8B, device), torch.bfloat16,
-                         device)
-        for count in (0, 2):
-            with spare_tiles(count):
-                us = graph_us_per_layer(p, sgmv_layer)
-            print(f"spare tiles {count}: {us:.2f} us/layer (table rows)", flush=True)
-        del p
-        torch.cuda.empty_cache()
 
 
 def residency(args: argparse.Namespace) -> None:
@@ -869,8 +828,8 @@ def main() -> None:
                     help="whole layers over the shrink's rows for 17-128 tokens in segments of "
                          "several tokens; writes nothing")
     ap.add_argument("--sweep-latency", action="store_true",
-                    help="the B <= 8 cells over expand register footprints and spare tiles, "
-                         "whole layers (default cases 0,1,13-16); writes nothing")
+                    help="the B <= 8 cells over the grids' spare tiles, whole layers (default "
+                         "cases 0,1,11-16); writes nothing")
     ap.add_argument("--residency", action="store_true",
                     help="--sweep-cases with weights rotating past L2 and L2-resident; "
                          "writes nothing")

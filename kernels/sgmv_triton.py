@@ -761,7 +761,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         PRELOAD_A=pdl and k_per_split == block_k,
         LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
     )
-    programs = (bound_tiles + SPARE_TILES) * num_cb * split_k
+    programs = (bound_tiles + t.spare_tiles) * num_cb * split_k
     grid = (min(programs, num_sms * t.programs_per_sm),)
     return _Plan(grid, constants, split_k, bound_tiles * num_cb)
 
@@ -785,7 +785,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
         SETTLE=pdl and t.settle_weights,
     )
-    programs = (bound_tiles + SPARE_TILES) * num_nb
+    programs = (bound_tiles + t.spare_tiles) * num_nb
     return _Plan((min(programs, num_sms * t.programs_per_sm),), constants)
 
 
@@ -797,16 +797,16 @@ def _bound_tiles(num_tokens: int, block_m: int, num_segments: int) -> int:
     return (num_tokens + live * (block_m - 1)) // block_m
 
 
-# Programs launched past the bound on the items, in tiles' worth of items: each runs its
-# prologue and waits on the kernel before, and finds no item. Whole layers, graph replay, H100,
-# 2026-11-25, us/layer for a grid of the bound plus 0 / 1 / (the segment count: the bound this
-# replaced) tiles: B = D = 64 rank 16 65.6 / 65.8 / 68.4, over ranks 8-64 120.9 / 121.0 / 122.5,
-# 8 over 8 rank-64 adapters 33.3 / 33.5 / 35.2; one token 9.69 / 9.25 / 9.25, 8 tokens over one
-# adapter 12.40 / 11.69 / 11.69, 8 over 8 rank-16 adapters 13.48 / 13.31 / 12.93. Idle programs
-# cost a chain of dependent launches time (`bench_launch_chain`: eight minimal kernels 6.3 us at
-# 132 programs each, 12.3 at 1,056), yet a grid that ends exactly at the last item loses at the
-# smallest batches; one spare tile keeps both.
-SPARE_TILES = 1
+# Spare tiles (`spare_tiles` of a tuning row): programs launched past the bound on the items, in
+# tiles' worth of items: each runs its prologue and waits on the kernel before, and finds no item.
+# Whole layers, graph replay, H100, 2026-11-25, us/layer for a grid of the bound plus 0 / 1 / (the
+# segment count: the bound this replaced) tiles: B = D = 64 rank 16 65.6 / 65.8 / 68.4, over ranks
+# 8-64 120.9 / 121.0 / 122.5, 8 over 8 rank-64 adapters 33.3 / 33.5 / 35.2; one token 9.69 / 9.25
+# / 9.25, 8 tokens over one adapter 12.40 / 11.69 / 11.69, 8 over 8 rank-16 adapters 13.48 / 13.31
+# / 12.93. Idle programs cost a chain of dependent launches time (`bench_launch_chain`: eight
+# minimal kernels 6.3 us at 132 programs each, 12.3 at 1,056), yet a grid that ends exactly at the
+# last item loses at the smallest batches; one spare tile keeps both, except where a tile is many
+# narrow column blocks (see the tuning rows).
 
 
 def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: bool) -> dict:

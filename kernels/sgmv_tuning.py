@@ -106,9 +106,13 @@ class ShrinkTiling:
     # read their block of A once (decode), so streaming A does not evict x and h rows that
     # several items read. Rows whose tiles share A blocks (prefill) keep the default.
     stream_weights: bool = False
+    # Tiles' worth of programs launched past the bound on the items (kernels/sgmv_triton.py
+    # `_bound_tiles`): each runs its prologue, waits on the kernel before and finds no item.
+    spare_tiles: int = 1
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_k", self.tile_k)
+        _check_spare_tiles(self.spare_tiles)
         if self.live_items and self.block_m != 1:
             raise ValueError("live_items takes one-token tiles (block_m 1)")
         if self.max_a_block is not None and self.block_m >= 16:
@@ -135,9 +139,11 @@ class ExpandTiling:
     # Under programmatic dependent launch, each thread of a one-token tile waits for its block
     # of B to land before it waits for the kernel before (`_settle` in kernels/sgmv_triton.py).
     settle_weights: bool = False
+    spare_tiles: int = 1  # as ShrinkTiling.spare_tiles
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_n", self.tile_n)
+        _check_spare_tiles(self.spare_tiles)
 
 
 def _check_tile_step(name: str, value: int | None) -> None:
@@ -145,6 +151,11 @@ def _check_tile_step(name: str, value: int | None) -> None:
     `tl.dot`, which needs 16."""
     if value is not None and (value < 16 or value & (value - 1)):
         raise ValueError(f"{name} must be a power of two of at least 16, got {value}")
+
+
+def _check_spare_tiles(value: int) -> None:
+    if value < 0:
+        raise ValueError(f"spare_tiles must be at least 0, got {value}")
 
 
 NO_SPLIT = 1 << 30

@@ -383,10 +383,11 @@ class TestLaunchers:
                     tokens, segments), (tokens, segments)
 
     def test_one_token_tiles_launch_a_program_per_item_and_a_spare_tile(self):
-        # one-token tiles: a program per (token, column block) plus SPARE_TILES tiles' worth,
-        # however many segments the batch holds (at most one per token)
+        # one-token tiles: a program per (token, column block) plus the row's spare tiles'
+        # worth, however many segments the batch holds (at most one per token)
         offsets = (0, 4096, 5120, 6144)
-        spare = sgmv_triton.SPARE_TILES
+        spare = pick(sgmv_triton._expand_table(True, 16), 8).spare_tiles
+        assert spare == pick(sgmv_triton._shrink_table(True, 16), 1).spare_tiles == 1
         e = sgmv_triton._expand_plan(sgmv_triton._expand_table(True, 16), 8, offsets, 16, 8, 64,
                                      False, 132)
         assert e.constants["BLOCK_M"] == 1
