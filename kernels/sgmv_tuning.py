@@ -180,8 +180,19 @@ _SHRINK_FEW_TOKENS = ShrinkTiling(1, 2, 16384, NO_SPLIT, num_warps=8, num_stages
 _SHRINK_TILES = ShrinkTiling(16, 32, 256, 512, num_warps=4, num_stages=3, programs_per_sm=16,
                              tile_k=128, stream_weights=True)
 
+# Spare tiles (`spare_tiles`): one keeps a single token's layer shortest in rank-16 pools, none
+# every other batch up to 16 tokens. `bench_sgmv --sweep-latency` (H200, 2026-11-26, whole layers,
+# us/layer, shrink and expand spare 1/1 -> 0/0): one token 8.10 -> 8.27 (rank 16), 10.99 -> 10.20
+# (rank 64); 8 over 8 adapters 11.84 -> 11.74 (rank 16), 10.36 -> 10.27 (rank 8), 28.97 -> 28.37
+# (rank 64); 8 over one adapter 10.84 -> 10.77 (rank 16). Where a tile is many narrow column
+# blocks (a rank-64 pool's expand: 448 blocks of 64 columns for gate/up) a spare tile doubles a
+# one-token grid, and the next kernel starts only once all of them have.
+_FEW_TOKENS_SHRINK_ROWS: tuple[tuple[int | None, ShrinkTiling], ...] = (
+    (1, _SHRINK_FEW_TOKENS),
+    (16, replace(_SHRINK_FEW_TOKENS, spare_tiles=0)),
+)
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (16, _SHRINK_FEW_TOKENS),
+    *_FEW_TOKENS_SHRINK_ROWS,
     (32, replace(_SHRINK_FEW_TOKENS, num_warps=4, max_a_block=4096)),
     (128, _SHRINK_TILES),
     (512, ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4)),
@@ -194,7 +205,7 @@ SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 _SHRINK_ONE_TOKEN = ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1,
                                  programs_per_sm=2, max_a_block=32768, stream_weights=True)
 SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (16, _SHRINK_FEW_TOKENS),
+    *_FEW_TOKENS_SHRINK_ROWS,
     (128, _SHRINK_ONE_TOKEN),
 )
 
@@ -210,8 +221,12 @@ SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 _EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
                                  stream_weights=True, settle_weights=True)
 
+_FEW_TOKENS_EXPAND_ROWS: tuple[tuple[int | None, ExpandTiling], ...] = (  # spare tiles: above
+    (1, _EXPAND_ONE_TOKEN),
+    (16, replace(_EXPAND_ONE_TOKEN, spare_tiles=0)),
+)
 EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (16, _EXPAND_ONE_TOKEN),
+    *_FEW_TOKENS_EXPAND_ROWS,
     (128, ExpandTiling(16, 128, 32, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=128,
                        stream_weights=True)),
     (512, ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8)),
@@ -222,7 +237,7 @@ EXPAND_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 # columns spanning every thread of the program (8 x 32 x 4), so each thread sums its columns over
 # the rank alone.
 EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
-    (16, _EXPAND_ONE_TOKEN),
+    *_FEW_TOKENS_EXPAND_ROWS,
     (128, ExpandTiling(1, 1024, 32, num_warps=4, num_stages=1, programs_per_sm=4,
                        stream_weights=True)),
 )
@@ -255,9 +270,9 @@ EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 # live items cost 35.2 -> 35.8, so only the wide-rank table takes them.
 WIDE_RANK = 64
 _SHRINK_WIDE_FEW_TOKENS: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (1, _SHRINK_FEW_TOKENS),
+    (1, replace(_SHRINK_FEW_TOKENS, spare_tiles=0)),  # spare tiles: see SHRINK_TABLE
     (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
-                      max_a_block=16384, stream_weights=True)),
+                      max_a_block=16384, stream_weights=True, spare_tiles=0)),
 )
 SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     *_SHRINK_WIDE_FEW_TOKENS,
@@ -275,7 +290,7 @@ SHRINK_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = 
 )
 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (16, ExpandTiling(1, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64,
-                      stream_weights=True)),
+                      stream_weights=True, spare_tiles=0)),
 )
 
 

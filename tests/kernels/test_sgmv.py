@@ -382,20 +382,35 @@ class TestLaunchers:
                 assert sgmv_triton._bound_tiles(tokens, block_m, segments) == most_tiles(
                     tokens, segments), (tokens, segments)
 
-    def test_one_token_tiles_launch_a_program_per_item_and_a_spare_tile(self):
+    def test_one_token_tiles_launch_a_program_per_item_and_the_rows_spare_tiles(self):
         # one-token tiles: a program per (token, column block) plus the row's spare tiles'
         # worth, however many segments the batch holds (at most one per token)
         offsets = (0, 4096, 5120, 6144)
-        spare = pick(sgmv_triton._expand_table(True, 16), 8).spare_tiles
-        assert spare == pick(sgmv_triton._shrink_table(True, 16), 1).spare_tiles == 1
-        e = sgmv_triton._expand_plan(sgmv_triton._expand_table(True, 16), 8, offsets, 16, 8, 64,
-                                     False, 132)
-        assert e.constants["BLOCK_M"] == 1
-        assert e.grid == ((8 + spare) * e.constants["NUM_NB"],)
-        for segments in (1, 4):
-            s = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True, 16), 1, 4096, 48, 16,
-                                         segments, 64, False, 132)
-            assert s.grid == ((1 + spare) * s.constants["NUM_CB"],)
+        for tokens in (1, 8):
+            spare = pick(sgmv_triton._expand_table(True, 16), tokens).spare_tiles
+            e = sgmv_triton._expand_plan(sgmv_triton._expand_table(True, 16), tokens, offsets,
+                                         16, tokens, 64, False, 132)
+            assert e.constants["BLOCK_M"] == 1
+            assert e.grid == ((tokens + spare) * e.constants["NUM_NB"],)
+            for segments in (1, tokens):
+                spare = pick(sgmv_triton._shrink_table(True, 16), tokens).spare_tiles
+                s = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True, 16), tokens, 4096,
+                                             48, 16, segments, 64, False, 132)
+                assert s.grid == ((tokens + spare) * s.constants["NUM_CB"],)
+
+    def test_a_single_token_keeps_a_spare_tile_only_in_rank_16_pools(self):
+        # up to 16 tokens of one-token segments (any decode batch of distinct adapters)
+        wide = sgmv_triton.WIDE_RANK
+        for kernel in ("shrink", "expand"):
+            table = sgmv_triton.TABLES[kernel]
+            assert pick(table(True, 16), 1).spare_tiles == 1
+            assert pick(table(True, wide), 1).spare_tiles == 0
+            for tokens in (2, 8, 16):
+                for max_rank in (16, wide):
+                    assert pick(table(True, max_rank), tokens).spare_tiles == 0
+            assert pick(table(True, 16), 64).spare_tiles == 1
+        # the shrink's few-token rows serve segments of several tokens too
+        assert pick(sgmv_triton._shrink_table(False, 16), 8).spare_tiles == 0
 
     def test_few_token_items_take_two_rows_of_a_at_every_hidden_size(self):
         # Up to 16 tokens a one-token item holds two whole rows of A, the down projection's
