@@ -235,14 +235,10 @@ def _prefetch_b(b_ptr, seg_slots_ptr, slot_ranks_ptr, num_segments, stride_bs, s
     offset = (tl.program_id(0) * PARTS + lane % PARTS) * part
     size = tl.minimum(tl.maximum(nbytes - offset, 0), part)
     address = (b_ptr + slot.to(tl.int64) * stride_bs).to(tl.int64) + offset
-    # one thread a part: a tensor of LANES elements may be held by more threads than LANES
-    # (replicated over lanes and warps); only the first LANES threads issue
     tl.inline_asm_elementwise(
-        "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 q, t, $3; "
-        "setp.gt.s32 p, $2, 0; and.pred p, p, q; "
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [address, size.to(tl.int32), tl.full([LANES], LANES, tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r", [address, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -811,7 +807,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         PRELOAD_A=pdl and k_per_split == block_k,
         LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
         PREFETCH_B=pdl and prefetch_b and t.prefetch_b,  # PDL: Hopper and later only
-        PREFETCH_LANES=_pow2_at_least_16(num_segments),  # a part per segment and program
+        PREFETCH_LANES=32 * t.num_warps,
     )
     programs = (bound_tiles + t.spare_tiles) * num_cb * split_k
     grid = (min(programs, num_sms * t.programs_per_sm),)
