@@ -675,18 +675,17 @@ def sweep_segments(args: argparse.Namespace) -> None:
 
 
 def sweep_latency(args: argparse.Namespace) -> None:
-    """Whole layers with and without the shrink asking L2 for the expand's B (`prefetch_b`):
-    `bench_sgmv_timeline` showed the expand's programs starting late where earlier kernels held
-    the SMs, their B read only then. For the cases of `--sweep-cases` (default: 0, 1, 11-16, 2,
-    4). Prints; writes nothing."""
+    """The B <= 8 cells, whole layers, over the grids' spare tiles: `bench_sgmv_timeline` showed
+    a kernel's programs starting late behind a kernel that launched many programs. For the cases
+    of `--sweep-cases` (default: 0, 1, 11-16). Prints; writes nothing."""
     from dataclasses import replace
 
     def candidates(p: Problem) -> tuple:
         s0, e0 = table_rows(p)
-        return [s0, replace(s0, prefetch_b=not s0.prefetch_b)], [e0]
+        return ([s0, replace(s0, spare_tiles=1 - min(s0.spare_tiles, 1))],
+                [e0, replace(e0, spare_tiles=1 - min(e0.spare_tiles, 1))])
 
-    picks = (args.sweep_cases if args.sweep_cases != [2, 3, 0]
-             else [0, 1, 11, 12, 13, 14, 15, 16, 2, 4])
+    picks = args.sweep_cases if args.sweep_cases != [2, 3, 0] else [0, 1, 11, 12, 13, 14, 15, 16]
     for case in ((QUICK + SWEEP_EXTRA)[i] for i in picks):
         time_pairs(case, candidates)
 
@@ -829,8 +828,8 @@ def main() -> None:
                     help="whole layers over the shrink's rows for 17-128 tokens in segments of "
                          "several tokens; writes nothing")
     ap.add_argument("--sweep-latency", action="store_true",
-                    help="whole layers with and without the shrink's L2 prefetch of B "
-                         "(default cases 0,1,11-16,2,4); writes nothing")
+                    help="the B <= 8 cells over the grids' spare tiles, whole layers (default "
+                         "cases 0,1,11-16); writes nothing")
     ap.add_argument("--residency", action="store_true",
                     help="--sweep-cases with weights rotating past L2 and L2-resident; "
                          "writes nothing")

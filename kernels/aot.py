@@ -93,20 +93,17 @@ def shrink(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
     hidden, outs = GROUPS[group]
     float32 = dtype == "float32"
     plan = st._shrink_plan(st._shrink_table(one_token, max_rank), tokens, hidden,
-                           len(outs) * max_rank, max_rank, segments, slots, float32, NUM_SMS, pdl,
-                           prefetch_b=True)
+                           len(outs) * max_rank, max_rank, segments, slots, float32, NUM_SMS, pdl)
     p = _POINTER[dtype]
     types = dict(x_ptr=p, a_ptr=p, h_ptr=p, part_ptr="*fp32", lock_ptr="*i32",
                  seg_indptr_ptr="*i32", seg_slots_ptr="*i32", slot_ranks_ptr="*i32",
                  num_segments="i32", num_slots="i32", num_tokens="i32", K="i32",
                  stride_xt="i32", stride_as="i32", stride_ar="i32", stride_ht="i32",
-                 b_ptr=p, stride_bs="i32", stride_br="i32", trace_ptr="*fp32")
+                 trace_ptr="*fp32")
     constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)), TRACE=False)
     cols = len(outs) * max_rank
-    width = sum(outs)
     ints = dict(num_segments=segments, num_slots=slots, num_tokens=tokens, K=hidden,
-                stride_xt=hidden, stride_as=cols * hidden, stride_ar=hidden, stride_ht=cols,
-                stride_bs=max_rank * width, stride_br=width)
+                stride_xt=hidden, stride_as=cols * hidden, stride_ar=hidden, stride_ht=cols)
     return compile_kernel(st._sgmv_shrink_kernel, types, constants, ints), plan
 
 

@@ -75,11 +75,9 @@ class SgmvBatch:
 
 
 def torch_shrink(
-    x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int,
-    b: torch.Tensor | None = None,
+    x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
 ) -> torch.Tensor:
-    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] (zero rows for base tokens). `b`, the
-    B the expand reads next, is a hint a backend may use to fetch it early; unused here."""
+    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] (zero rows for base tokens)."""
     h = x.new_zeros(x.shape[0], a.shape[1])
     max_rank = a.shape[1] // num_slices
     for s, e, slot in zip(batch.seg_starts, batch.seg_ends, batch.seg_slots_host, strict=True):
@@ -110,8 +108,7 @@ def torch_expand(
             y[s:e, o0:o1] += scale * (hs @ b[slot, :r, o0:o1])
 
 
-ShrinkFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, int, torch.Tensor | None],
-                   torch.Tensor]
+ShrinkFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, int], torch.Tensor]
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None]
 
 
@@ -129,8 +126,8 @@ class SgmvOps(NamedTuple):
         out_offsets: tuple[int, ...],
     ) -> None:
         """y += the LoRA delta of one group: x [T, in]; a [num_slots, n*R, in]; b [num_slots, R,
-        sum(out_i)]. A shrink (told the B its expand reads next), then an expand."""
-        self.expand(self.shrink(x, a, batch, len(out_offsets) - 1, b), b, batch, y, out_offsets)
+        sum(out_i)]. A shrink, then an expand."""
+        self.expand(self.shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
 
 
 BACKENDS: dict[str, SgmvOps] = {"torch": SgmvOps(torch_shrink, torch_expand)}

@@ -214,34 +214,6 @@ def _record_ptr(trace_ptr, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_b(b_ptr, seg_slots_ptr, slot_ranks_ptr, num_segments, stride_bs, stride_br,
-                LANES: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Ask L2 for this program's share of the expand's B: every segment's slot holds `rank`
-    live rows of B, rank x stride_br contiguous elements from the slot's base; each segment's
-    range is cut into programs x (LANES / BLOCK_S) parts, and each of this program's LANES
-    threads (one element a thread) starts one part with a bulk prefetch
-    (`cp.async.bulk.prefetch.L2`: no registers held, nothing waited for). Read before the
-    shrink's wait: only metadata and weights, which no kernel before writes."""
-    PARTS: tl.constexpr = LANES // BLOCK_S
-    lane = tl.arange(0, LANES)
-    seg = lane // PARTS
-    live = seg < num_segments
-    slot = tl.load(seg_slots_ptr + seg, mask=live, other=0)
-    rank = tl.load(slot_ranks_ptr + slot, mask=live, other=0)
-    elem: tl.constexpr = b_ptr.dtype.element_ty.primitive_bitwidth // 8
-    nbytes = rank.to(tl.int64) * stride_br * elem  # a multiple of 16: rows of 8 elements
-    parts = tl.num_programs(0) * PARTS
-    part = (nbytes + parts * 16 - 1) // (parts * 16) * 16
-    offset = (tl.program_id(0) * PARTS + lane % PARTS) * part
-    size = tl.minimum(tl.maximum(nbytes - offset, 0), part)
-    address = (b_ptr + slot.to(tl.int64) * stride_bs).to(tl.int64) + offset
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [address, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                 WEIGHT_EVICT: tl.constexpr):
@@ -417,9 +389,6 @@ def _sgmv_shrink_kernel(
     stride_as,
     stride_ar,
     stride_ht,
-    b_ptr,  # [num_slots, R, out] the expand's B, under PREFETCH_B (L2 prefetch); else unused
-    stride_bs,
-    stride_br,
     trace_ptr,  # int64 timeline records of this launch under TRACE (`record_timeline`)
     MAX_RANK: tl.constexpr,
     NUM_COLS: tl.constexpr,
@@ -438,8 +407,6 @@ def _sgmv_shrink_kernel(
     PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
     LIVE_ITEMS: tl.constexpr = False,  # one-token tiles: items only below the slot's rank
     WEIGHT_EVICT: tl.constexpr = "",  # A's loads: "evict_first" streams it past the caches
-    PREFETCH_B: tl.constexpr = False,  # ask L2 for the expand's B (`_prefetch_b`)
-    PREFETCH_LANES: tl.constexpr = 32,  # the program's threads: one prefetch part each
     TRACE: tl.constexpr = False,  # per-program timestamps (diagnostics)
 ):
     record = _record_ptr(trace_ptr, TRACE)
@@ -448,9 +415,6 @@ def _sgmv_shrink_kernel(
     starts, ends, slots, tiles, tiles_incl = _segment_table(
         seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S, BLOCK_M
     )
-    if PREFETCH_B:
-        _prefetch_b(b_ptr, seg_slots_ptr, slot_ranks_ptr, num_segments, stride_bs, stride_br,
-                    PREFETCH_LANES, BLOCK_S)
     slot_ids = tl.arange(0, BLOCK_SLOTS)
     slot_ranks = tl.load(slot_ranks_ptr + slot_ids, mask=slot_ids < num_slots, other=0)
     # Under PDL the previous kernel may still be running: x, h, the partials and the counters
@@ -647,13 +611,11 @@ _EXPAND = CachedLaunch(_sgmv_expand_kernel)
 
 
 def triton_shrink(
-    x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int,
-    b: torch.Tensor | None = None,
+    x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
 ) -> torch.Tensor:
     """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] (base-model rows unspecified; the
     columns at or past a token's slot rank zeros, or unspecified under a `live_items` row: the
-    expand reads none of them). `b` ([num_slots, R, out], optional): the B the expand reads
-    next; under a `prefetch_b` row the shrink asks L2 for its live rows ahead of it."""
+    expand reads none of them)."""
     num_tokens, hidden = x.shape
     num_cols = a.shape[1]
     assert a.dim() == 3 and a.shape[2] == hidden, f"a {tuple(a.shape)} vs x {tuple(x.shape)}"
@@ -668,13 +630,9 @@ def triton_shrink(
     if num_segments == 0:
         return h
 
-    # the prefetch reads each slot's live rows as one range: B's rows must be contiguous
-    prefetch = (b is not None and b.dtype == x.dtype and b.device == x.device
-                and b.stride(2) == 1 and b.stride(1) == b.shape[2])
     plan = _shrink_plan(_shrink_table(batch.one_token_segments, max_rank), num_tokens, hidden,
                         num_cols, max_rank, num_segments, batch.slot_ranks.shape[0],
-                        _unrolled(x), _num_sms(x.device), _pdl_enabled(x.device), prefetch)
-    prefetch = plan.constants["PREFETCH_B"]
+                        _unrolled(x), _num_sms(x.device), _pdl_enabled(x.device))
     if plan.split_k > 1:
         part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
                            device=x.device)
@@ -686,9 +644,7 @@ def triton_shrink(
         (x, a, h, part, locks,
          batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
          num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
-         x.stride(0), a.stride(0), a.stride(1), h.stride(0),
-         *((b, b.stride(0), b.stride(1)) if prefetch else (x, 0, 0)),
-         _trace_ptr(plan, x.device)),
+         x.stride(0), a.stride(0), a.stride(1), h.stride(0), _trace_ptr(plan, x.device)),
         PRECISION=_precision(x.dtype), TRACE=_timeline is not None,
     )
     return h
@@ -782,9 +738,7 @@ class _Plan:
 @functools.lru_cache(maxsize=4096)
 def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_rank: int,
                  num_segments: int, num_slots: int, float32: bool, num_sms: int,
-                 pdl: bool = False, prefetch_b: bool = False) -> _Plan:
-    """`prefetch_b`: the launch passes the expand's B (row-contiguous), for a row that asks L2
-    for it."""
+                 pdl: bool = False) -> _Plan:
     t = pick(table, num_tokens, float32=float32)
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
     k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
@@ -806,8 +760,6 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
         LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
-        PREFETCH_B=pdl and prefetch_b and t.prefetch_b,  # PDL: Hopper and later only
-        PREFETCH_LANES=32 * t.num_warps,
     )
     programs = (bound_tiles + t.spare_tiles) * num_cb * split_k
     grid = (min(programs, num_sms * t.programs_per_sm),)

@@ -109,10 +109,6 @@ class ShrinkTiling:
     # Tiles' worth of programs launched past the bound on the items (kernels/sgmv_triton.py
     # `_bound_tiles`): each runs its prologue, waits on the kernel before and finds no item.
     spare_tiles: int = 1
-    # Before waiting for the kernel before, ask L2 for the B the expand reads next (a bulk
-    # prefetch of each segment's live rows, split over the programs; Hopper and later), so the
-    # expand's programs, which may start late where earlier kernels hold the SMs, find it there.
-    prefetch_b: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_k", self.tile_k)

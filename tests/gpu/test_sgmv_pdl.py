@@ -112,37 +112,3 @@ def test_timeline_records_every_program_in_order_and_changes_no_result(num_token
         if prev_end is not None:
             assert min(p[2] for p in stamped) >= prev_end, f"launch {launch} waited early"
         prev_end = max(p[3] for p in programs)
-
-
-@pytest.mark.parametrize("num_tokens", [1, 8, 64])
-def test_b_prefetch_changes_no_result(monkeypatch, num_tokens):
-    """Shrink rows that ask L2 for the expand's B (`prefetch_b`) give what the others give, bit
-    for bit: the prefetch moves no data the kernels read."""
-    device = torch.device("cuda")
-    if not hopper():
-        pytest.skip("the bulk prefetch is launched with PDL, on Hopper or later")
-    from dataclasses import replace
-
-    from kernels import sgmv_triton
-    from kernels.sgmv import get_backend
-
-    g = torch.Generator(device=device).manual_seed(2)
-    a = torch.randn(4, 3 * RANK, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8
-    b = torch.randn(4, RANK, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16) / 4
-    batch = make_batch(num_tokens, device)
-    x = torch.randn(num_tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
-    offsets = (0, OUTS[0], OUTS[0] + OUTS[1], sum(OUTS))
-    y0 = torch.randn(num_tokens, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16)
-    plain = y0.clone()
-    get_backend("triton").apply(x, a, b, batch, plain, offsets)
-    for name in ("SHRINK_TABLE", "SHRINK_ONE_TOKEN_TABLE"):
-        rows = tuple((bound, replace(t, prefetch_b=True))
-                     for bound, t in getattr(sgmv_triton, name))
-        monkeypatch.setattr(sgmv_triton, name, rows)
-    plan = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True, RANK), num_tokens, HIDDEN,
-                                    3 * RANK, RANK, num_tokens, 4, False,
-                                    sgmv_triton._num_sms(device), True, True)
-    assert plan.constants["PREFETCH_B"]
-    prefetched = y0.clone()
-    get_backend("triton").apply(x, a, b, batch, prefetched, offsets)
-    assert torch.equal(prefetched, plain)
