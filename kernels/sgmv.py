@@ -13,6 +13,10 @@ each rank index is one contiguous row over the group's output columns, so an ada
 is r whole rows), with R = max_lora_rank; rows past an adapter's true rank are zero, so any
 backend may ignore them.
 
+h is [T, n*R] in x's dtype, or its float32 partial sums [S, T, n*R] over S chunks of the hidden
+dimension (h = their sum over the first dimension): a backend's shrink may return either, and
+every expand accepts both, so the last step of the shrink's sum may move into the expand.
+
 Backends implement `shrink` and `expand` with the signatures of the torch reference below and
 register themselves in `BACKENDS`; `SgmvOps.apply` (the delta of one group) is expand of shrink.
 """
@@ -95,7 +99,10 @@ def torch_expand(
     y: torch.Tensor,
     out_offsets: tuple[int, ...],
 ) -> None:
-    """h: [T, n*R]; b: [num_slots, R, sum(out_i)]; y: [T, sum(out_i)] updated in place."""
+    """h: [T, n*R], or its float32 partial sums [S, T, n*R]; b: [num_slots, R, sum(out_i)];
+    y: [T, sum(out_i)] updated in place."""
+    if h.dim() == 3:  # partial sums: h is their sum, in y's dtype as a shrink would store it
+        h = h.sum(dim=0, dtype=torch.float32).to(y.dtype)
     num_slices = len(out_offsets) - 1
     max_rank = b.shape[1]
     assert h.shape[1] == num_slices * max_rank and y.shape[1] == out_offsets[-1]
@@ -113,6 +120,8 @@ ExpandFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[
 
 
 class SgmvOps(NamedTuple):
+    """A backend: `shrink` returns h or its partial sums, which `expand` of any backend takes."""
+
     shrink: ShrinkFn
     expand: ExpandFn
 

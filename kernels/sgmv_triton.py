@@ -18,12 +18,20 @@ split order and writes h. The counter only elects the reducer: the sum is the sa
 sum whichever split finishes last, so results are deterministic and no atomic touches a value.
 The reducer resets its counter to 0, so counters are zero between launches.
 
+Where the expand sums the partials (`ShrinkTiling.expand_sums`, one-token tiles), no split
+reduces: each item is one hidden chunk (its block of A read before `gdc_wait`, only its chunk
+of x after), stores its float32 partial and is done, and the partials [S, T, n*R] are the
+shrink's result, with no counter, reducer or second round trip between kernels. Column blocks
+with no live column write no partial (the expand reads none of them). With one chunk over the
+whole hidden size the mode is the plain path, writing h.
+
 Expand, y[t, o_i + c] += scale * h[t, i*R : i*R + rank] . B[slot, :rank, o_i + c]: a work item
 is (tile, column block); column blocks never cross a slice boundary, so slices of different
 widths (GQA q/k/v) are one launch. B is rank-major: each rank step reads whole rows of the
 block's columns, and rows past the slot's true rank are not read, so an item's bytes follow the
 slot's rank. Each y element is read, updated and written by exactly one program:
-deterministic, no atomics.
+deterministic, no atomics. Given the shrink's partials instead of h, each h value the expand
+reads is the sum of its S partials, loaded together and added in split order (deterministic).
 
 A tile of one token (every decode segment) takes matrix-vector products in one dimension; a tile
 of several takes 16-row tile products (`tl.dot`) over narrower steps. The choice is made per tile
@@ -271,11 +279,12 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
                  MAX_RANK: tl.constexpr, NUM_COLS: tl.constexpr, NUM_CB: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                 PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record,
+                 EXPAND_SUMS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr, PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record,
                  TRACE: tl.constexpr):
     """Work item (tile j, column block cb, K split ks): h for the tile's rows and the block's
-    columns; with split-K, this split's partial, and the sum of all if it arrives last."""
+    columns; with split-K, this split's partial, and the sum of all if it arrives last (under
+    EXPAND_SUMS the partial alone: the expand sums them)."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = (first_row + offs_m).to(tl.int64)
     row_mask = rows < end_row
@@ -313,27 +322,29 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
             part_rows = rows[:, None] * NUM_COLS + cols[None, :]
             split_stride = num_tokens * NUM_COLS
             tl.store(part_ptr + ks * split_stride + part_rows, acc, mask=out_mask)
-            # Every thread's partial is stored before the (release) arrival is counted.
-            tl.debug_barrier()
-            lock = lock_ptr + j * NUM_CB + cb
-            arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:  # last split: sum all partials in split order
+            if not EXPAND_SUMS:  # elect a reducer: the split that arrives last
+                # Every thread's partial is stored before the (release) arrival is counted.
                 tl.debug_barrier()
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # unrolled: every load in flight at once
-                    total += tl.load(
-                        part_ptr + s * split_stride + part_rows,
-                        mask=out_mask,
-                        other=0.0,
-                        cache_modifier=".cg",  # from L2: other SMs wrote these
-                    )
-                tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-    elif ks == 0:  # every column past the slot's rank: zeros, no weights read
-        if PDL:
-            gdc_wait()
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
-        tl.store(h_ptrs, zeros, mask=out_mask)
+                lock = lock_ptr + j * NUM_CB + cb
+                arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT_K - 1:  # last split: sum all partials in split order
+                    tl.debug_barrier()
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in tl.static_range(SPLIT_K):  # unrolled: every load in flight at once
+                        total += tl.load(
+                            part_ptr + s * split_stride + part_rows,
+                            mask=out_mask,
+                            other=0.0,
+                            cache_modifier=".cg",  # from L2: other SMs wrote these
+                        )
+                    tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
+                    tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+    elif not EXPAND_SUMS:  # (partials: the expand reads no column past the rank, none written)
+        if ks == 0:  # every column past the slot's rank: zeros, no weights read
+            if PDL:
+                gdc_wait()
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
+            tl.store(h_ptrs, zeros, mask=out_mask)
 
 
 @triton.jit
@@ -368,16 +379,16 @@ def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, 
         _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, row, row + 1, slot.to(tl.int64),
                      rank, 0, cb, 0, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
                      MAX_RANK, NUM_COLS, NUM_CB, 1, BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, 1,
-                     EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record, TRACE)
+                     False, EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record, TRACE)
 
 
 @triton.jit
 def _sgmv_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [num_slots, NUM_COLS, K]
-    h_ptr,  # [T, NUM_COLS]
+    h_ptr,  # [T, NUM_COLS] (unused under EXPAND_SUMS: the partials are the result)
     part_ptr,  # [SPLIT_K, T, NUM_COLS] float32 (split-K partials)
-    lock_ptr,  # [>= bound_tiles * NUM_CB] int32, zero between launches
+    lock_ptr,  # [>= bound_tiles * NUM_CB] int32, zero between launches (unused: EXPAND_SUMS)
     seg_indptr_ptr,
     seg_slots_ptr,
     slot_ranks_ptr,
@@ -406,6 +417,7 @@ def _sgmv_shrink_kernel(
     PDL: tl.constexpr,
     PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
     LIVE_ITEMS: tl.constexpr = False,  # one-token tiles: items only below the slot's rank
+    EXPAND_SUMS: tl.constexpr = False,  # split-K partials are the result: no counter, no reducer
     WEIGHT_EVICT: tl.constexpr = "",  # A's loads: "evict_first" streams it past the caches
     TRACE: tl.constexpr = False,  # per-program timestamps (diagnostics)
 ):
@@ -439,8 +451,8 @@ def _sgmv_shrink_kernel(
             _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
                          slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt,
                          stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M,
-                         BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL,
-                         PRELOAD_A, WEIGHT_EVICT, record, TRACE)
+                         BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, SPLIT_K, EXPAND_SUMS, EVEN_K,
+                         PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record, TRACE)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
     _stamp(record, _END, tl.program_id(0), TRACE)
@@ -456,14 +468,26 @@ def _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT: tl.constex
 
 
 @triton.jit
+def _load_h(ptrs, mask, stride_hs, H_SPLITS: tl.constexpr):
+    """h at `ptrs`; from the shrink's float32 partials (H_SPLITS > 1, `stride_hs` apart), their
+    sum in split order: unrolled, so every load is in flight at once, and deterministic."""
+    hv = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, H_SPLITS):
+        hv += tl.load(ptrs + s * stride_hs, mask=mask, other=0.0)
+    return hv
+
+
+@triton.jit
 def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr,
-                 stride_ht, stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
+                 stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr,
+                 H_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                 WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
     """y[tile rows, cols] += scale * h[rows, slice ranks] . B[:rank, cols]. `h_ptrs` points at
-    the slice's first rank column of h, `b_slot` at the slot's B ([R, out], rank-major). The
-    first rank step's B rows are read before the wait; the steps after it, up to the slot's
-    rank, one at a time (a slot of a lower rank than the pool's reads fewer rows)."""
+    the slice's first rank column of h (of its first partial), `b_slot` at the slot's B ([R,
+    out], rank-major). The first rank step's B rows are read before the wait; the steps after
+    it, up to the slot's rank, one at a time (a slot of a lower rank than the pool's reads fewer
+    rows). Summed partials round to B's dtype before the tile product, as the shrink stores h."""
     offs_r = tl.arange(0, BLOCK_R)
     rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < end_row
@@ -475,26 +499,28 @@ def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot
         gdc_wait()
         _stamp(record, _WAITED, rank, TRACE)
     yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    hv = tl.load(h_ptrs + rows[:, None] * stride_ht + offs_r[None, :],
-                 mask=row_mask[:, None] & r_in[None, :], other=0.0)
-    acc = _product_kn(hv, bv, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+    hv = _load_h(h_ptrs + rows[:, None] * stride_ht + offs_r[None, :],
+                 row_mask[:, None] & r_in[None, :], stride_hs, H_SPLITS)
+    acc = _product_kn(hv.to(bv.dtype), bv, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                      PRECISION)
     if MULTI_R:  # the pool's max rank spans several steps (compiled only then: registers)
         for r0 in range(BLOCK_R, rank, BLOCK_R):
             r = r0 + offs_r
             r_in = r < rank
             bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)
-            hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
-                         mask=row_mask[:, None] & r_in[None, :], other=0.0)
-            acc = _product_kn(hv, bv, acc, PRECISION)
+            hv = _load_h(h_ptrs + rows[:, None] * stride_ht + r[None, :],
+                         row_mask[:, None] & r_in[None, :], stride_hs, H_SPLITS)
+            acc = _product_kn(hv.to(bv.dtype), bv, acc, PRECISION)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
 def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, sink_ptr, stride_ht,
-                  stride_br, stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  MULTI_R: tl.constexpr, PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr,
-                  SETTLE: tl.constexpr, record, TRACE: tl.constexpr):
+                  stride_hs, stride_br, stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  MULTI_R: tl.constexpr, H_SPLITS: tl.constexpr, PDL: tl.constexpr,
+                  WEIGHT_EVICT: tl.constexpr, SETTLE: tl.constexpr, record,
+                  TRACE: tl.constexpr):
     """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
     y[row, cols] += scale * h[row, :rank] . B[:rank, cols], summed over the rank step's rows. A
     16-row tile would carry 15 dead rows through the product, the layout changes and the
@@ -508,14 +534,14 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, sink_
         gdc_wait()
         _stamp(record, _WAITED, rank, TRACE)
     yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
-    hv = tl.load(h_ptrs + row * stride_ht + offs_r, mask=r_in, other=0.0)
+    hv = _load_h(h_ptrs + row * stride_ht + offs_r, r_in, stride_hs, H_SPLITS)
     acc = tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     if MULTI_R:
         for r0 in range(BLOCK_R, rank, BLOCK_R):
             r = r0 + offs_r
             r_in = r < rank
             bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)
-            hv = tl.load(h_ptrs + row * stride_ht + r, mask=r_in, other=0.0)
+            hv = _load_h(h_ptrs + row * stride_ht + r, r_in, stride_hs, H_SPLITS)
             acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=col_mask)
@@ -523,7 +549,7 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, sink_
 
 @triton.jit
 def _sgmv_expand_kernel(
-    h_ptr,  # [T, NUM_SLICES * MAX_RANK]
+    h_ptr,  # [T, NUM_SLICES * MAX_RANK], or float32 partials [H_SPLITS, T, NUM_SLICES * MAX_RANK]
     b_ptr,  # [num_slots, MAX_RANK, O_4] (rank-major)
     y_ptr,  # [T, O_4]
     sink_ptr,  # [SINK_SIZE] float32 scratch (`_settle`)
@@ -534,6 +560,7 @@ def _sgmv_expand_kernel(
     num_segments,
     num_slots,
     stride_ht,
+    stride_hs,  # between partials (H_SPLITS > 1)
     stride_bs,
     stride_br,
     stride_yt,
@@ -553,6 +580,7 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     MULTI_R: tl.constexpr,  # the max rank spans several rank steps
+    H_SPLITS: tl.constexpr,  # h as partial sums to add up (`expand_sums` shrinks); 1: h itself
     TILE_N: tl.constexpr,  # columns per tile product (tiles of several tokens); divides BLOCK_N
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -591,15 +619,15 @@ def _sgmv_expand_kernel(
                 for sub in tl.static_range(BLOCK_N // TILE_N):
                     sub_cols = col0 + sub * TILE_N + tl.arange(0, TILE_N)
                     _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale,
-                                 h_ptrs, b_slot, y_ptr, stride_ht, stride_br, stride_yt,
-                                 BLOCK_M, TILE_N, BLOCK_R, MULTI_R,
+                                 h_ptrs, b_slot, y_ptr, stride_ht, stride_hs, stride_br,
+                                 stride_yt, BLOCK_M, TILE_N, BLOCK_R, MULTI_R, H_SPLITS,
                                  PRECISION, PDL and sub == 0, WEIGHT_EVICT, record, TRACE)
             else:
                 cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
-                              b_slot, y_ptr, sink_ptr, stride_ht, stride_br, stride_yt,
-                              BLOCK_N, BLOCK_R, MULTI_R, PDL, WEIGHT_EVICT, SETTLE, record,
-                              TRACE)
+                              b_slot, y_ptr, sink_ptr, stride_ht, stride_hs, stride_br,
+                              stride_yt, BLOCK_N, BLOCK_R, MULTI_R, H_SPLITS, PDL, WEIGHT_EVICT,
+                              SETTLE, record, TRACE)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
     _stamp(record, _END, tl.program_id(0), TRACE)
@@ -613,9 +641,12 @@ _EXPAND = CachedLaunch(_sgmv_expand_kernel)
 def triton_shrink(
     x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
 ) -> torch.Tensor:
-    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] (base-model rows unspecified; the
-    columns at or past a token's slot rank zeros, or unspecified under a `live_items` row: the
-    expand reads none of them)."""
+    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] in x's dtype (base-model rows
+    unspecified; the columns at or past a token's slot rank zeros, or unspecified under a
+    `live_items` row: the expand reads none of them). Under an `expand_sums` row whose chunk is
+    narrower than `in`: h's float32 partial sums [S, T, n*R] over the S chunks of the hidden
+    dimension instead, for `triton_expand` to add up (unspecified where h is, and in whole
+    column blocks past a slot's rank)."""
     num_tokens, hidden = x.shape
     num_cols = a.shape[1]
     assert a.dim() == 3 and a.shape[2] == hidden, f"a {tuple(a.shape)} vs x {tuple(x.shape)}"
@@ -625,20 +656,23 @@ def triton_shrink(
     assert x.stride(1) == 1 and a.stride(2) == 1, "the hidden dimension must be contiguous"
     _check_batch(batch, num_tokens, x.device)
 
-    h = x.new_empty(num_tokens, num_cols)
     num_segments = batch.num_segments
     if num_segments == 0:
-        return h
+        return x.new_empty(num_tokens, num_cols)
 
     plan = _shrink_plan(_shrink_table(batch.one_token_segments, max_rank), num_tokens, hidden,
                         num_cols, max_rank, num_segments, batch.slot_ranks.shape[0],
                         _unrolled(x), _num_sms(x.device), _pdl_enabled(x.device))
-    if plan.split_k > 1:
-        part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
-                           device=x.device)
-        locks = _locks(x.device, plan.num_locks)
-    else:  # unused by the kernel
-        part, locks = h, batch.seg_slots
+    splits = (plan.split_k, num_tokens, num_cols)
+    if plan.expand_sums:  # the partials are the result: no h written, no arrival counted
+        part = torch.empty(splits, dtype=torch.float32, device=x.device)
+        h, locks = part[0], batch.seg_slots  # unused by the kernel
+    elif plan.split_k > 1:
+        part = torch.empty(splits, dtype=torch.float32, device=x.device)
+        h, locks = x.new_empty(num_tokens, num_cols), _locks(x.device, plan.num_locks)
+    else:
+        h = x.new_empty(num_tokens, num_cols)
+        part, locks = h, batch.seg_slots  # unused by the kernel
     _SHRINK(
         plan,
         (x, a, h, part, locks,
@@ -647,7 +681,7 @@ def triton_shrink(
          x.stride(0), a.stride(0), a.stride(1), h.stride(0), _trace_ptr(plan, x.device)),
         PRECISION=_precision(x.dtype), TRACE=_timeline is not None,
     )
-    return h
+    return part if plan.expand_sums else h
 
 
 def triton_expand(
@@ -657,16 +691,20 @@ def triton_expand(
     y: torch.Tensor,
     out_offsets: tuple[int, ...],
 ) -> None:
-    """h: [T, n*R]; b: [num_slots, R, sum(out_i)]; y: [T, sum(out_i)] updated in place."""
+    """h: [T, n*R] in y's dtype, or its float32 partial sums [S, T, n*R] (an `expand_sums`
+    shrink's result), added up in split order as they are read; b: [num_slots, R, sum(out_i)];
+    y: [T, sum(out_i)] updated in place."""
     num_slices = len(out_offsets) - 1
     num_tokens, width = y.shape
     max_rank = b.shape[1]
     assert 1 <= num_slices <= MAX_SLICES, f"{num_slices} slices (at most {MAX_SLICES})"
     assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[2]
     assert all(lo < hi for lo, hi in zip(out_offsets, out_offsets[1:], strict=False))
-    assert h.shape == (num_tokens, num_slices * max_rank), f"h {tuple(h.shape)}"
-    assert h.dtype == b.dtype == y.dtype and y.dtype in DTYPES, f"{h.dtype}/{b.dtype}/{y.dtype}"
-    assert h.stride(1) == 1 and b.stride(2) == 1 and y.stride(1) == 1, "last dims contiguous"
+    assert h.shape[-2:] == (num_tokens, num_slices * max_rank), f"h {tuple(h.shape)}"
+    partials = h.dim() == 3
+    assert h.dtype == (torch.float32 if partials else y.dtype), f"h {h.dtype}, y {y.dtype}"
+    assert b.dtype == y.dtype and y.dtype in DTYPES, f"{b.dtype}/{y.dtype}"
+    assert h.stride(-1) == 1 and b.stride(2) == 1 and y.stride(1) == 1, "last dims contiguous"
     _check_batch(batch, num_tokens, y.device)
     num_segments = batch.num_segments
     if num_segments == 0:
@@ -675,13 +713,15 @@ def triton_expand(
     num_slots = batch.slot_ranks.shape[0]
     plan = _expand_plan(_expand_table(batch.one_token_segments, max_rank), num_tokens,
                         tuple(out_offsets), max_rank, num_segments, num_slots, _unrolled(y),
-                        _num_sms(y.device), _pdl_enabled(y.device))
+                        _num_sms(y.device), _pdl_enabled(y.device),
+                        h.shape[0] if partials else 1)
     _EXPAND(
         plan,
         (h, b, y, _sink(y.device),
          batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
          num_segments, num_slots,
-         h.stride(0), b.stride(0), b.stride(1), y.stride(0), _trace_ptr(plan, y.device)),
+         h.stride(-2), h.stride(0) if partials else 0, b.stride(0), b.stride(1), y.stride(0),
+         _trace_ptr(plan, y.device)),
         PRECISION=_precision(y.dtype), TRACE=_timeline is not None,
     )
 
@@ -730,6 +770,7 @@ class _Plan:
     constants: dict  # keyword arguments of the kernel: block sizes, counts, warps, stages
     split_k: int = 1
     num_locks: int = 0
+    expand_sums: bool = False  # the shrink's result: its split_k partials, for the expand to sum
 
 
 # Plans are pure functions of the tuning table (a tuple of frozen rows, swapped by tests and the
@@ -741,8 +782,11 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
                  pdl: bool = False) -> _Plan:
     t = pick(table, num_tokens, float32=float32)
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
+    if t.expand_sums:  # an item takes its chunk in one step (several where float32 caps it)
+        block_k = min(block_k, t.k_per_split)
     k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
     split_k = cdiv(hidden, k_per_split)
+    expand_sums = t.expand_sums and split_k > 1  # (one chunk: h, as without the mode)
     block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     if t.max_a_block is not None:  # wide hidden sizes: fewer whole rows of A per item
         block_n = min(block_n, _pow2_at_most(max(1, t.max_a_block // k_per_split)))
@@ -757,19 +801,23 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         TILE_K=block_k if t.tile_k is None else min(t.tile_k, block_k),
         K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k,
+        EXPAND_SUMS=expand_sums,
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
         LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
     )
     programs = (bound_tiles + t.spare_tiles) * num_cb * split_k
     grid = (min(programs, num_sms * t.programs_per_sm),)
-    return _Plan(grid, constants, split_k, bound_tiles * num_cb)
+    num_locks = bound_tiles * num_cb if split_k > 1 and not expand_sums else 0
+    return _Plan(grid, constants, split_k, num_locks, expand_sums)
 
 
 @functools.lru_cache(maxsize=4096)
 def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
                  max_rank: int, num_segments: int, num_slots: int, float32: bool,
-                 num_sms: int, pdl: bool = False) -> _Plan:
+                 num_sms: int, pdl: bool = False, h_splits: int = 1) -> _Plan:
+    """`h_splits`: h's partial sums (the leading dimension of an `expand_sums` shrink's result),
+    1 for h itself."""
     t = pick(table, num_tokens, float32=float32)
     block_r = min(t.block_r, _pow2_at_least_16(max_rank))
     block_cap = t.block_n if t.max_tile is None else min(t.block_n, max(16, t.max_tile // block_r))
@@ -782,6 +830,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         MULTI_R=max_rank > block_r,
+        H_SPLITS=h_splits,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
         SETTLE=pdl and t.settle_weights,
     )

@@ -109,12 +109,24 @@ class ShrinkTiling:
     # Tiles' worth of programs launched past the bound on the items (kernels/sgmv_triton.py
     # `_bound_tiles`): each runs its prologue, waits on the kernel before and finds no item.
     spare_tiles: int = 1
+    # One-token tiles split over the hidden dimension without a reducer ("the expand sums the
+    # partials"): each item takes one k_per_split-wide chunk of it (its block of A read before
+    # the kernel waits for the one before, only its chunk of x after), stores its float32
+    # partial, and `triton_shrink` returns the partials [S, T, n*R] for the expand to sum as it
+    # reads h: no arrival counter, no second round trip. A chunk covering the hidden size: h as
+    # without it.
+    expand_sums: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_k", self.tile_k)
         _check_spare_tiles(self.spare_tiles)
         if self.live_items and self.block_m != 1:
             raise ValueError("live_items takes one-token tiles (block_m 1)")
+        if self.expand_sums and (self.block_m != 1 or self.live_items):
+            raise ValueError("expand_sums takes one-token tiles (block_m 1) without live_items")
+        if self.expand_sums and self.k_per_split & (self.k_per_split - 1):
+            raise ValueError("expand_sums steps through whole chunks: k_per_split must be a "
+                             f"power of two, got {self.k_per_split}")
         if self.max_a_block is not None and self.block_m >= 16:
             raise ValueError("max_a_block narrows column blocks below tl.dot's 16 columns: "
                              "only for rows of one-token tiles (block_m < 16)")

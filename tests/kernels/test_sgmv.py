@@ -79,6 +79,9 @@ BATCHES = {
     "rank_loop_r32": ([(3, 1), (2, 2), (4, 3)], [0, 32, 20, 9], 32),
     # one-token segments in a pool of max rank WIDE_RANK: the wide-rank rows by default
     "decode_wide_rank": ([(1, 1 + i % 4) for i in range(6)], [0, 64, 8, 33, 1], 64),
+    # one-token segments after a base token, one of them on the empty slot (rank 0)
+    "decode_base_and_empty": ([(1, None), (1, 1), (1, 2), (1, None), (1, 3), (1, 1), (1, 4)],
+                              [0, 16, 3, 8, 1], 16),
 }
 
 
@@ -142,8 +145,32 @@ def live_tiles() -> tuple:
     )
 
 
+def sums_row(k_per_split: int) -> ShrinkTiling:
+    """Decode tiles of one token whose expand sums the shrink's partials, over chunks of
+    `k_per_split` hidden elements and 8 columns (`max_a_block`) per item."""
+    return ShrinkTiling(1, 16, 64, k_per_split, num_warps=4, num_stages=1, programs_per_sm=3,
+                        max_a_block=8 * k_per_split, expand_sums=True)
+
+
+def sums_tiles() -> tuple:
+    """Up to 16 tokens the shrink's partials summed by the expand, in chunks of 32 (no layout's
+    hidden size a multiple of it); past 16, split-K with its reducer. The expand's 16-token
+    tiles take tile products for segments of several tokens and one-token products for the
+    others, summing the partials in both, over a rank loop of several steps."""
+    shrink, expand = small_tiles()
+    return ((16, sums_row(32)), *shrink), expand
+
+
 TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles,
-           "token": token_tiles, "unsplit": unsplit_tiles, "live": live_tiles}
+           "token": token_tiles, "unsplit": unsplit_tiles, "live": live_tiles,
+           "sums": sums_tiles}
+
+
+def swap_tables(monkeypatch, shrink: tuple, expand: tuple) -> None:
+    """`shrink` and `expand` as the kernels' general tables, their other tables empty."""
+    for kernel, rows in (("SHRINK", shrink), ("EXPAND", expand)):
+        for name in TABLE_NAMES:
+            monkeypatch.setattr(sgmv_triton, f"{kernel}_{name}", rows if name == "TABLE" else ())
 
 
 @pytest.fixture(params=["default", *TILINGS])
@@ -151,11 +178,7 @@ def tiling(request, monkeypatch):
     if sgmv_triton is None:
         pytest.skip("triton is not importable")
     if request.param != "default":
-        shrink, expand = TILINGS[request.param]()
-        for kernel, rows in (("SHRINK", shrink), ("EXPAND", expand)):
-            for name in TABLE_NAMES:
-                monkeypatch.setattr(sgmv_triton, f"{kernel}_{name}",
-                                    rows if name == "TABLE" else ())
+        swap_tables(monkeypatch, *TILINGS[request.param]())
     return request.param
 
 
@@ -214,7 +237,10 @@ def segment_rows(batch: SgmvBatch, num_tokens: int) -> torch.Tensor:
 
 
 def poison_unread(h: torch.Tensor, batch: SgmvBatch, max_rank: int) -> torch.Tensor:
-    """NaN wherever the expand must not read h: base-model rows and columns past a slot's rank."""
+    """NaN wherever the expand must not read h (or each of its partials [S, T, n*R]): base-model
+    rows and columns past a slot's rank."""
+    if h.dim() == 3:
+        return torch.stack([poison_unread(part, batch, max_rank) for part in h])
     h = h.clone()
     h[~segment_rows(batch, h.shape[0])] = float("nan")
     n = h.shape[1] // max_rank
@@ -227,6 +253,11 @@ def read_by_expand(batch: SgmvBatch, num_tokens: int, num_cols: int, max_rank: i
     """The entries of h the expand reads (segment rows, columns below their slot's rank): all
     that the shrink promises."""
     return ~torch.isnan(poison_unread(torch.zeros(num_tokens, num_cols), batch, max_rank))
+
+
+def summed(h: torch.Tensor) -> torch.Tensor:
+    """h itself, or the sum of the partials an `expand_sums` shrink returns in its place."""
+    return h.sum(dim=0) if h.dim() == 3 else h
 
 
 def poison_past_rank(a: torch.Tensor, b: torch.Tensor, ranks: list[int], n: int):
@@ -267,17 +298,18 @@ class TestTritonMatchesReference:
         a_poisoned, b_poisoned = poison_past_rank(a, b, BATCHES[batch_name][1], n)
         h = sgmv_triton.triton_shrink(x, a_poisoned, batch, n)
         h_ref = torch_shrink(x, a, batch, n)
-        assert h.shape == h_ref.shape
-        read = read_by_expand(batch, x.shape[0], h.shape[1], max_rank)
-        assert_close(h[read], h_ref[read])
+        assert summed(h).shape == h_ref.shape
+        read = read_by_expand(batch, x.shape[0], h_ref.shape[1], max_rank)
+        assert_close(summed(h)[read], h_ref[read])
 
         y_ref = y.clone()
         torch_expand(h_ref, b, batch, y_ref, layout.out_offsets)
-        y_out = y.clone()
-        sgmv_triton.triton_expand(poison_unread(h_ref, batch, max_rank), b_poisoned, batch, y_out,
-                                  layout.out_offsets)
-        assert_close(y_out, y_ref)
-        assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
+        for h_in in (h_ref, h):  # the reference's h, then the kernel's own (h or partials)
+            y_out = y.clone()
+            sgmv_triton.triton_expand(poison_unread(h_in, batch, max_rank), b_poisoned, batch,
+                                      y_out, layout.out_offsets)
+            assert_close(y_out, y_ref)
+            assert torch.equal(y_out[~inside], y[~inside]), "base-model rows must be untouched"
 
     def test_apply_is_shrink_then_expand(self):
         layout = LAYOUTS["qkv_gqa"]
@@ -312,9 +344,10 @@ class TestTritonMatchesReference:
         layout = LAYOUTS["single"]
         batch, a, b, x, y, _ = run_case(layout, "decode_distinct")
         first = sgmv_triton.triton_shrink(x, a, batch, 1)
-        read = read_by_expand(batch, x.shape[0], first.shape[1], first.shape[1])
-        for _ in range(3):
-            assert torch.equal(sgmv_triton.triton_shrink(x, a, batch, 1)[read], first[read])
+        read = read_by_expand(batch, x.shape[0], first.shape[-1], first.shape[-1])
+        for _ in range(3):  # (each of the partials, where the expand sums them)
+            again = sgmv_triton.triton_shrink(x, a, batch, 1)
+            assert torch.equal(again[..., read], first[..., read])
 
     def test_graph_style_padded_segments(self, tiling):
         """Decode graphs pass a fixed segment count; unused segments are empty (equal bounds) and
@@ -342,13 +375,76 @@ class TestTritonMatchesReference:
         y = torch.randn(bucket, sum(layout.outs), device=DEVICE)
         h = sgmv_triton.triton_shrink(x, a, padded, 3)
         h_ref = torch_shrink(x, a, real, 3)
-        read = read_by_expand(real, bucket, h.shape[1], 16)
-        assert_close(h[read], h_ref[read])
+        read = read_by_expand(real, bucket, h_ref.shape[1], 16)
+        assert_close(summed(h)[read], h_ref[read])
         y_out, y_ref = y.clone(), y.clone()
         sgmv_triton.triton_expand(h, b, padded, y_out, layout.out_offsets)
         torch_expand(h_ref, b, real, y_ref, layout.out_offsets)
         assert_close(y_out, y_ref)
         assert torch.equal(y_out[6:], y[6:])
+
+
+@needs_triton
+class TestExpandSumsPartials:
+    """A shrink row with `expand_sums`: the shrink returns a float32 partial per hidden chunk,
+    and the expand sums them as it reads h."""
+
+    @pytest.mark.parametrize("hidden, chunk, splits", [(100, 32, 4), (96, 32, 3), (72, 16, 5)])
+    def test_shrink_returns_each_chunks_partial(self, monkeypatch, hidden, chunk, splits):
+        swap_tables(monkeypatch, ((None, sums_row(chunk)),), token_tiles()[1])
+        layout = Layout(hidden, (24, 8))
+        batch, a, b, x, _, max_rank = run_case(layout, "decode_distinct")
+        a_poisoned, _ = poison_past_rank(a, b, BATCHES["decode_distinct"][1], 2)
+        part = sgmv_triton.triton_shrink(x, a_poisoned, batch, 2)
+        assert part.shape == (splits, x.shape[0], 2 * max_rank) and part.dtype == torch.float32
+        read = read_by_expand(batch, x.shape[0], 2 * max_rank, max_rank)
+        for s in range(splits):  # partial s: the product over hidden chunk s alone
+            k = slice(s * chunk, (s + 1) * chunk)
+            chunk_ref = torch_shrink(x[:, k].contiguous(), a[:, :, k].contiguous(), batch, 2)
+            assert_close(part[s][read], chunk_ref[read])
+
+    def test_a_chunk_covering_the_hidden_size_returns_h_as_without_the_mode(self, monkeypatch):
+        layout = LAYOUTS["qkv_gqa"]  # hidden 72 in one chunk of 128
+        batch, a, _, x, _, max_rank = run_case(layout, "decode_distinct")
+        read = read_by_expand(batch, x.shape[0], a.shape[1], max_rank)
+        hs = []
+        for row in (sums_row(128), replace(sums_row(128), expand_sums=False)):
+            swap_tables(monkeypatch, ((None, row),), token_tiles()[1])
+            hs.append(sgmv_triton.triton_shrink(x, a, batch, 3))
+        assert hs[0].shape == (x.shape[0], a.shape[1]) and hs[0].dtype == x.dtype
+        assert torch.equal(hs[0][read], hs[1][read])
+
+    @pytest.mark.parametrize("batch_name", ["decode_base_and_empty", "base_interleaved",
+                                            "rank_loop_r32"])
+    def test_expand_of_partials_is_expand_of_their_sum(self, monkeypatch, batch_name):
+        # one-token segments take the expand's one-token products, longer ones its tile products
+        swap_tables(monkeypatch, *sums_tiles())
+        layout = LAYOUTS["qkv_gqa"]
+        batch, a, b, x, y, max_rank = run_case(layout, batch_name)
+        part = poison_unread(sgmv_triton.triton_shrink(x, a, batch, 3), batch, max_rank)
+        assert part.dim() == 3
+        y_part, y_sum = y.clone(), y.clone()
+        sgmv_triton.triton_expand(part, b, batch, y_part, layout.out_offsets)
+        sgmv_triton.triton_expand(part.sum(dim=0).to(y.dtype), b, batch, y_sum,
+                                  layout.out_offsets)
+        assert_close(y_part, y_sum)
+
+    def test_shrink_then_expand_is_bit_identical_across_launches(self, monkeypatch):
+        swap_tables(monkeypatch, *sums_tiles())
+        layout = LAYOUTS["gate_up"]
+        batch, a, b, x, y, max_rank = run_case(layout, "base_interleaved")
+        read = read_by_expand(batch, x.shape[0], a.shape[1], max_rank)
+
+        def launch() -> tuple[torch.Tensor, torch.Tensor]:
+            part, y_out = sgmv_triton.triton_shrink(x, a, batch, 2), y.clone()
+            sgmv_triton.triton_expand(part, b, batch, y_out, layout.out_offsets)
+            return part[..., read], y_out
+
+        first = launch()
+        assert first[0].dim() == 2  # [splits, entries read]: partials
+        for _ in range(2):
+            again = launch()
+            assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
 @needs_triton
@@ -423,6 +519,34 @@ class TestLaunchers:
                     assert s.constants["BLOCK_M"] == 1 and s.split_k == 1
                     assert s.constants["BLOCK_N"] == 2, (hidden, tokens)
                     assert s.constants["BLOCK_K"] >= hidden
+
+    @pytest.mark.parametrize("hidden, cols", [(4096, 48), (14336, 16)])
+    def test_expand_sums_items_are_one_chunk_each_without_counters(self, hidden, cols):
+        # The few-token row over 2048-wide chunks: an item per (token, column block, chunk), its
+        # whole chunk one step (A read before the wait), the partials the shrink's result.
+        row = replace(pick(sgmv_triton.SHRINK_TABLE, 8), expand_sums=True, k_per_split=2048)
+        plan = sgmv_triton._shrink_plan(((None, row),), 8, hidden, cols, 16, 8, 64, False, 132,
+                                        True)
+        c = plan.constants
+        assert plan.expand_sums and c["EXPAND_SUMS"] and plan.num_locks == 0
+        assert plan.split_k == hidden // 2048 and c["BLOCK_K"] == c["K_PER_SPLIT"] == 2048
+        assert c["PRELOAD_A"]
+        items = (8 + sgmv_triton.SPARE_TILES) * c["NUM_CB"] * plan.split_k
+        assert plan.grid == (min(items, 132 * row.programs_per_sm),)
+        # a chunk covering the hidden size: the plain row's plan, writing h
+        whole = replace(row, k_per_split=NO_SPLIT)
+        assert sgmv_triton._shrink_plan(((None, whole),), 8, hidden, cols, 16, 8, 64, False,
+                                        132, True) == sgmv_triton._shrink_plan(
+            ((None, replace(whole, expand_sums=False)),), 8, hidden, cols, 16, 8, 64, False, 132,
+            True)
+
+    def test_expand_takes_the_partials_count_as_a_constant(self):
+        offsets = (0, 4096, 5120, 6144)
+        table = sgmv_triton._expand_table(True, 16)
+        plain = sgmv_triton._expand_plan(table, 8, offsets, 16, 8, 64, False, 132, True)
+        summing = sgmv_triton._expand_plan(table, 8, offsets, 16, 8, 64, False, 132, True, 7)
+        assert (plain.constants["H_SPLITS"], summing.constants["H_SPLITS"]) == (1, 7)
+        assert plain.grid == summing.grid
 
     def test_pools_of_up_to_64_slots_share_compiled_kernels(self):
         # Compile-time constants must not follow the slot count below 64.
@@ -634,6 +758,15 @@ class TestTilingRows:
         with pytest.raises(ValueError, match="live_items"):
             ShrinkTiling(16, 32, 256, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
                          live_items=True)
+
+    @pytest.mark.parametrize("change", [dict(block_m=16), dict(live_items=True),
+                                        dict(k_per_split=48)])
+    def test_expand_sums_takes_one_token_tiles_over_whole_chunks(self, change):
+        row = dict(block_m=1, block_n=16, block_k=64, k_per_split=32, num_warps=4, num_stages=1,
+                   programs_per_sm=4, expand_sums=True)
+        ShrinkTiling(**row)
+        with pytest.raises(ValueError, match="expand_sums"):
+            ShrinkTiling(**{**row, **change})
 
     def test_whole_row_items_only_for_one_token_tiles(self):
         with pytest.raises(ValueError, match="max_a_block"):

@@ -26,22 +26,52 @@ def _nvidia_tools() -> bool:
     return (bin_dir / "ptxas").exists() and (bin_dir / "cuobjdump").exists()
 
 
-@pytest.mark.skipif(not _nvidia_tools(), reason="Triton's NVIDIA backend tools are missing")
-def test_every_tuning_row_compiles_for_hopper():
+needs_nvidia_tools = pytest.mark.skipif(not _nvidia_tools(),
+                                        reason="Triton's NVIDIA backend tools are missing")
+
+
+def compile_rows(*args: str) -> list[str]:
+    """`python -m kernels.aot` with `args`: one line per compiled kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     run = subprocess.run(
-        [sys.executable, "-m", "kernels.aot", "--groups", "qkv,down"],
+        [sys.executable, "-m", "kernels.aot", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("shrink", "expand"))]
+    return [ln for ln in run.stdout.splitlines() if ln.startswith(("shrink", "expand"))]
+
+
+def usage_field(line: str, name: str) -> int:
+    return int(re.search(rf"{name} +(\d+)", line).group(1))
+
+
+@needs_nvidia_tools
+def test_every_tuning_row_compiles_for_hopper():
+    lines = compile_rows("--groups", "qkv,down")
+    run_stdout = "\n".join(lines)
     from kernels.aot import MAX_RANKS, kernel_variants, table_token_counts
 
     # kernels (and one-token variants) x token count x pool rank, x dtype x PDL x group
     kernels = sum(len(kernel_variants(n, r)) for n in table_token_counts() for r in MAX_RANKS)
-    assert len(lines) == kernels * 2 * 2 * 2, run.stdout
-    assert any("segments one-token" in line for line in lines), run.stdout
+    assert len(lines) == kernels * 2 * 2 * 2, run_stdout
+    assert any("segments one-token" in line for line in lines), run_stdout
     for line in lines:
-        regs = int(re.search(r"regs +(\d+)", line).group(1))
-        assert 0 < regs <= 255, line
+        assert 0 < usage_field(line, "regs") <= 255, line
+
+
+# Each group's hidden size in two chunks. More chunks spill where the expand was already near 255
+# registers: down in 2048-wide chunks (seven partials) at rank 16 under PDL, and four or more
+# partials in a rank-64 pool's 16-token tiles (`python -m kernels.aot --expand-sums`).
+@needs_nvidia_tools
+@pytest.mark.parametrize("group, chunk", [("qkv", 2048), ("down", 8192)])
+def test_rows_whose_expand_sums_the_partials_compile_without_spills(group, chunk):
+    lines = compile_rows("--groups", group, "--tokens", "1,8", "--expand-sums", str(chunk))
+    from kernels.aot import MAX_RANKS, kernel_variants
+
+    kernels = sum(len(kernel_variants(n, r)) for n in (1, 8) for r in MAX_RANKS)
+    assert len(lines) == kernels * 2 * 2  # x dtype x PDL
+    for line in lines:
+        assert usage_field(line, "partials") == 2, line
+        assert usage_field(line, "stack") == usage_field(line, "local") == 0, line
+        assert 0 < usage_field(line, "regs") <= 255, line
