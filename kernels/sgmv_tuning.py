@@ -199,8 +199,14 @@ _SHRINK_TILES = ShrinkTiling(16, 32, 256, 512, num_warps=4, num_stages=3, progra
 # (rank 64); 8 over one adapter 10.84 -> 10.77 (rank 16). Where a tile is many narrow column
 # blocks (a rank-64 pool's expand: 448 blocks of 64 columns for gate/up) a spare tile doubles a
 # one-token grid, and the next kernel starts only once all of them have.
+# A single token's down projection takes its hidden size in two chunks whose sum the expand
+# takes (`expand_sums`; the 4,096-wide groups are one chunk, as without it): each item reads half
+# of x after the wait. `bench_sgmv --sweep-latency` (H200, 2026-11-26, whole layers, us/layer):
+# one token 8.09 -> 7.93 at rank 16; at 8 tokens 11.74 -> 11.81 (8 over 8 adapters), 10.77 ->
+# 10.79 (over one), 10.25 -> 10.37 (rank 8), so only one token takes it. Chunks of 1,024-2,048
+# with 4-32 rows an item lost everywhere (one token 8.6-19 us/layer).
 _FEW_TOKENS_SHRINK_ROWS: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    (1, _SHRINK_FEW_TOKENS),
+    (1, replace(_SHRINK_FEW_TOKENS, block_k=8192, k_per_split=8192, expand_sums=True)),
     (16, replace(_SHRINK_FEW_TOKENS, spare_tiles=0)),
 )
 SHRINK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
@@ -296,8 +302,15 @@ EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
     (128, ExpandTiling(16, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64,
                        stream_weights=True)),
 )
+# Up to 16 one-token segments in a wide pool: the down projection in 8,192-wide chunks of two
+# rows of A an item, the sum left to the expand (`expand_sums`); the 4,096-wide groups four whole
+# rows an item, as the row before. Same sweep, us/layer: 8 over 8 rank-64 adapters 28.59
+# -> 28.05, over ranks 8-64 20.84 -> 20.33; not for a single token (10.28 -> 11.51) nor for
+# segments of several tokens (8 over one rank-64 adapter 18.82 -> 19.69).
 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
-    *_SHRINK_WIDE_FEW_TOKENS,
+    _SHRINK_WIDE_FEW_TOKENS[0],
+    (16, replace(_SHRINK_WIDE_FEW_TOKENS[1][1], block_n=4, block_k=8192, k_per_split=8192,
+                 expand_sums=True)),
     (128, replace(_SHRINK_ONE_TOKEN, live_items=True)),
 )
 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (

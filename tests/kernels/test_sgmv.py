@@ -509,16 +509,32 @@ class TestLaunchers:
         assert pick(sgmv_triton._shrink_table(False, 16), 8).spare_tiles == 0
 
     def test_few_token_items_take_two_rows_of_a_at_every_hidden_size(self):
-        # Up to 16 tokens a one-token item holds two whole rows of A, the down projection's
-        # 14,336-wide rows too (one row an item would read each token's x row twice as often).
+        # Up to 16 tokens a one-token item holds two rows of A, the down projection's 14,336-wide
+        # rows too (one row an item would read each token's x row twice as often): whole rows
+        # from 2 tokens, and for a single token in two chunks whose sum the expand takes.
         for hidden, cols in ((4096, 48), (14336, 16)):
             for tokens in (1, 8, 16):
                 for one_token in (False, True):
                     s = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(one_token, 16),
                                                  tokens, hidden, cols, 16, tokens, 64, False, 132)
-                    assert s.constants["BLOCK_M"] == 1 and s.split_k == 1
+                    assert s.constants["BLOCK_M"] == 1
                     assert s.constants["BLOCK_N"] == 2, (hidden, tokens)
-                    assert s.constants["BLOCK_K"] >= hidden
+                    chunks = 2 if tokens == 1 and hidden > 8192 else 1
+                    assert s.split_k == chunks and s.expand_sums == (chunks > 1)
+                    assert s.constants["BLOCK_K"] * chunks >= hidden
+
+    def test_wide_pools_sum_chunks_in_the_expand_for_one_token_segments_only(self):
+        wide = sgmv_triton.WIDE_RANK
+        for tokens in (2, 8, 16):
+            one = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True, wide), tokens, 14336,
+                                           wide, wide, tokens, 64, False, 132)
+            assert one.expand_sums and one.split_k == 2 and one.constants["BLOCK_N"] == 2
+            several = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(False, wide), tokens,
+                                               14336, wide, wide, 1, 64, False, 132)
+            assert not several.expand_sums and several.split_k == 1
+        single = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True, wide), 1, 14336, wide,
+                                          wide, 1, 64, False, 132)
+        assert not single.expand_sums
 
     @pytest.mark.parametrize("hidden, cols", [(4096, 48), (14336, 16)])
     def test_expand_sums_items_are_one_chunk_each_without_counters(self, hidden, cols):
@@ -531,7 +547,7 @@ class TestLaunchers:
         assert plan.expand_sums and c["EXPAND_SUMS"] and plan.num_locks == 0
         assert plan.split_k == hidden // 2048 and c["BLOCK_K"] == c["K_PER_SPLIT"] == 2048
         assert c["PRELOAD_A"]
-        items = (8 + sgmv_triton.SPARE_TILES) * c["NUM_CB"] * plan.split_k
+        items = (8 + row.spare_tiles) * c["NUM_CB"] * plan.split_k
         assert plan.grid == (min(items, 132 * row.programs_per_sm),)
         # a chunk covering the hidden size: the plain row's plan, writing h
         whole = replace(row, k_per_split=NO_SPLIT)
@@ -666,8 +682,10 @@ class TestLaunchers:
         # one-token tiles where every segment is one token
         assert pick(sgmv_triton._expand_table(False, wide), 8).block_m == 16
         assert pick(sgmv_triton._expand_table(True, wide), 8).block_m == 1
-        assert pick(sgmv_triton._shrink_table(True, wide), 8) == pick(
-            sgmv_triton._shrink_table(False, wide), 8)
+        # the shrink's, alike for a single token; 2-16 one-token segments sum chunks in the expand
+        assert pick(sgmv_triton._shrink_table(True, wide), 1) == pick(
+            sgmv_triton._shrink_table(False, wide), 1)
+        assert pick(sgmv_triton._shrink_table(True, wide), 8).expand_sums
         # 17-128 one-token tokens: the shrink's items only below each rank, in wide pools alone
         assert pick(sgmv_triton._shrink_table(True, wide), 64).live_items
         assert not pick(sgmv_triton._shrink_table(False, wide), 64).live_items
@@ -677,7 +695,8 @@ class TestLaunchers:
         # so a pool of a wide rank captures both graph variants, the shrink's alike to 16 tokens
         for tokens in (1, 8, 64):
             assert sgmv_triton.one_token_variant_differs(tokens, wide)
-        assert not sgmv_triton.kernel_variant_differs("shrink", 8, wide)
+        assert not sgmv_triton.kernel_variant_differs("shrink", 1, wide)
+        assert sgmv_triton.kernel_variant_differs("shrink", 8, wide)
         assert sgmv_triton.kernel_variant_differs("shrink", 64, wide)
 
     @pytest.mark.parametrize("batch_name", ["decode_distinct", "long_segments",
