@@ -675,22 +675,21 @@ def sweep_segments(args: argparse.Namespace) -> None:
 
 
 def sweep_latency(args: argparse.Namespace) -> None:
-    """The B <= 8 cells, whole layers, over shrink rows whose items take a chunk of the hidden
-    size and leave the sum to the expand (`expand_sums`, chunk x rows of A an item): the
-    timeline showed the down shrink's work after its wait (a 28 KB x row, 112 products a thread,
-    a reduction over 8 warps) 0.35 us longer than any other kernel's. For the cases of
-    `--sweep-cases` (default: 0, 1, 11-16). Prints; writes nothing."""
+    """The B <= 16 cells, whole layers, over the expand's programs per SM: `bench_sgmv_timeline`
+    showed the gate/up expand's programs at 8 tokens (224 items) starting only as earlier
+    kernels left the SMs, their blocks of B read only then; a grid of fewer programs, each
+    taking its items in turn, starts all of them early. For the cases of `--sweep-cases`
+    (default: 0, 1, 15, 16 and 16 tokens over 16 adapters). Prints; writes nothing."""
     from dataclasses import replace
 
     def candidates(p: Problem) -> tuple:
         s0, e0 = table_rows(p)
-        return [s0] + [
-            replace(s0, block_n=rows, block_k=chunk, k_per_split=chunk, expand_sums=True)
-            for chunk, rows in ((1024, 32), (2048, 16), (2048, 4), (8192, 4), (8192, 2))
-        ], [e0]
+        return [s0], [e0] + [replace(e0, programs_per_sm=pps) for pps in (1, 3)
+                             if pps != e0.programs_per_sm]
 
-    picks = args.sweep_cases if args.sweep_cases != [2, 3, 0] else [0, 1, 11, 12, 13, 14, 15, 16]
-    for case in ((QUICK + SWEEP_EXTRA)[i] for i in picks):
+    picks = args.sweep_cases if args.sweep_cases != [2, 3, 0] else [0, 1, 15, 16]
+    sixteen = Case("decode", (1,) * 16, (16,) * 16, "16")
+    for case in [(QUICK + SWEEP_EXTRA)[i] for i in picks] + [sixteen]:
         time_pairs(case, candidates)
 
 
@@ -832,8 +831,8 @@ def main() -> None:
                     help="whole layers over the shrink's rows for 17-128 tokens in segments of "
                          "several tokens; writes nothing")
     ap.add_argument("--sweep-latency", action="store_true",
-                    help="the B <= 8 cells over shrink rows whose expand sums the partials, "
-                         "whole layers (default cases 0,1,11-16); writes nothing")
+                    help="the B <= 16 cells over the expand's programs per SM, whole layers "
+                         "(default cases 0,1,15,16 and 16 over 16); writes nothing")
     ap.add_argument("--residency", action="store_true",
                     help="--sweep-cases with weights rotating past L2 and L2-resident; "
                          "writes nothing")
