@@ -24,8 +24,10 @@ span, and the span against the same graph timed without timestamps (their pertur
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -129,6 +131,17 @@ def parse_cases(spec: str) -> list:
     return out
 
 
+def layer_programs(records: list[list[list[int]]], grids: list[int], first: int,
+                   count: int) -> list[list[list[float | int]]]:
+    """Every program of launches [first - 1, first + count) as [start, located, waited, end]
+    in µs from the end of launch first - 1 (None where not recorded) and its SM: where each
+    program ran and when, for looking at one layer's programs side by side."""
+    origin = max(r[END] for r in records[first - 1][:grids[first - 1]] if r[END])
+    return [[[(p[f] - origin) / 1e3 if p[f] else None for f in (START, LOCATED, WAITED, END)]
+             + [p[4]] for p in records[launch][:grids[launch]]]
+            for launch in range(first - 1, first + count)]
+
+
 def measure(case, reps: int) -> tuple[list[dict], dict]:
     from benchmarks.bench_sgmv import (
         LLAMA3_8B,
@@ -172,6 +185,7 @@ def measure(case, reps: int) -> tuple[list[dict], dict]:
         torch.cuda.synchronize()
         records = timeline.records.tolist()
         replays.append(kernel_spans(records, timeline.grids, middle, per_layer))
+        programs = layer_programs(records, timeline.grids, middle, per_layer)
         step_ns.append(timer_step_ns(records, timeline.grids[middle:middle + per_layer]))
     rows = median_spans(replays)
     names = [f"{g} {k}" for g in LLAMA3_8B for k in KERNELS_PER_GROUP]
@@ -180,7 +194,7 @@ def measure(case, reps: int) -> tuple[list[dict], dict]:
         row.update(case=label, kernel=name)
     summary = {"case": label, "layers": layers, "untraced_us": untraced_us,
                "traced_us": traced_us, "span_us": rows[-1]["end_last"],
-               "timer_step_ns": min(step_ns)}
+               "timer_step_ns": min(step_ns), "programs": programs}
     del graph
     return rows, summary
 
@@ -189,10 +203,11 @@ def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import write_results
 
     torch.manual_seed(0)
-    rows, summaries = [], []
+    rows, summaries, programs = [], [], {}
     for case in parse_cases(args.cases):
         case_rows, summary = measure(case, args.reps)
         rows += case_rows
+        programs[summary["case"]] = summary.pop("programs")
         summaries.append(summary)
         print(summary, flush=True)
         for row in case_rows:
@@ -210,6 +225,8 @@ def run_gpu(args: argparse.Namespace) -> None:
         rows,
         {"layers": summaries},
     )
+    if args.programs:  # the last replay's programs, launch by launch (the layer before first)
+        Path(args.programs).write_text(json.dumps(programs) + "\n")
     print(f"wrote {path}")
 
 
@@ -219,6 +236,8 @@ def main() -> None:
                     help="tokens:adapters:rank, comma-separated (rank: a number or mixed)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--programs", default=None,
+                    help="also write every program of the layer (times, SM) to this JSON file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (the timestamps are read off the device's timer)")

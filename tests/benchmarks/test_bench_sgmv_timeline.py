@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from benchmarks.bench_sgmv_timeline import kernel_spans, median_spans, parse_cases, timer_step_ns
+from benchmarks.bench_sgmv_timeline import (
+    kernel_spans,
+    layer_programs,
+    median_spans,
+    parse_cases,
+    timer_step_ns,
+)
 
 
 def program(start, located, waited, end, sm=0):
@@ -42,6 +48,14 @@ class TestKernelSpans:
         records = [row + [program(1, 1, 1, 10**9)] for row in self.records]
         assert kernel_spans(records, self.grids, 1, 2) == kernel_spans(
             self.records, self.grids, 1, 2)
+
+    def test_layer_programs_share_the_clock_and_keep_their_sm(self):
+        records = [[p[:4] + [i] for i, p in enumerate(row)] for row in self.records]
+        before, first, second = layer_programs(records, self.grids, 1, 2)
+        assert before[1] == [pytest.approx(-0.85), pytest.approx(-0.75), pytest.approx(-0.65),
+                             0.0, 1]
+        assert first[2] == [pytest.approx(-0.13), None, None, pytest.approx(0.7), 2]
+        assert len(second) == 1 and second[0][3] == pytest.approx(2.0)
 
     def test_the_first_launch_has_no_clock(self):
         with pytest.raises(ValueError, match="launch before"):
