@@ -770,7 +770,11 @@ class _Plan:
     constants: dict  # keyword arguments of the kernel: block sizes, counts, warps, stages
     split_k: int = 1
     num_locks: int = 0
-    expand_sums: bool = False  # the shrink's result: its split_k partials, for the expand to sum
+
+    @property
+    def expand_sums(self) -> bool:
+        """The shrink's result is its split_k partials, for the expand to sum."""
+        return self.constants.get("EXPAND_SUMS", False)
 
 
 # Plans are pure functions of the tuning table (a tuple of frozen rows, swapped by tests and the
@@ -809,7 +813,7 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
     programs = (bound_tiles + t.spare_tiles) * num_cb * split_k
     grid = (min(programs, num_sms * t.programs_per_sm),)
     num_locks = bound_tiles * num_cb if split_k > 1 and not expand_sums else 0
-    return _Plan(grid, constants, split_k, num_locks, expand_sums)
+    return _Plan(grid, constants, split_k, num_locks)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -25,6 +25,18 @@ def make_batch(num_tokens: int, device) -> SgmvBatch:
     return sgmv_batch([1] * num_tokens, slots, (16, 8, 16, 4), (0.5, 2.0, 1.0, 1.5), device)
 
 
+def make_chain_inputs(num_tokens: int, device, seed: int):
+    """LAYERS layers of bf16 q/k/v adapter weights over 4 slots, a decode batch and its input."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    weights = [
+        (torch.randn(4, 3 * RANK, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8,
+         torch.randn(4, RANK, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16) / 4)
+        for _ in range(LAYERS)
+    ]
+    x = torch.randn(num_tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
+    return weights, make_batch(num_tokens, device), x
+
+
 def chain(x, weights, batch):
     """Layer by layer: y = x, y += LoRA(x); the next layer's input is y's q slice."""
     from kernels import sgmv_triton
@@ -49,14 +61,7 @@ def test_pdl_chain_equals_plain_launches(monkeypatch, num_tokens):
     from kernels import sgmv_triton
 
     assert sgmv_triton._pdl_enabled(device), "PDL should be on for this GPU and Triton"
-    g = torch.Generator(device=device).manual_seed(0)
-    weights = [
-        (torch.randn(4, 3 * RANK, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8,
-         torch.randn(4, RANK, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16) / 4)
-        for _ in range(LAYERS)
-    ]
-    batch = make_batch(num_tokens, device)
-    x = torch.randn(num_tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
+    weights, batch, x = make_chain_inputs(num_tokens, device, seed=0)
 
     monkeypatch.setattr(sgmv_triton, "PDL", False)
     plain = chain(x, weights, batch)
@@ -86,14 +91,7 @@ def test_timeline_records_every_program_in_order_and_changes_no_result(num_token
         pytest.skip("programmatic dependent launch needs Hopper or later")
     from kernels import sgmv_triton
 
-    g = torch.Generator(device=device).manual_seed(1)
-    weights = [
-        (torch.randn(4, 3 * RANK, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8,
-         torch.randn(4, RANK, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16) / 4)
-        for _ in range(LAYERS)
-    ]
-    batch = make_batch(num_tokens, device)
-    x = torch.randn(num_tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
+    weights, batch, x = make_chain_inputs(num_tokens, device, seed=1)
     plain = chain(x, weights, batch)
     timeline = sgmv_triton.Timeline(2 * LAYERS, 4096, device)
     with sgmv_triton.record_timeline(timeline):

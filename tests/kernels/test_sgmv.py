@@ -787,6 +787,14 @@ class TestTilingRows:
         with pytest.raises(ValueError, match="expand_sums"):
             ShrinkTiling(**{**row, **change})
 
+    def test_spare_tiles_cannot_be_negative(self):
+        with pytest.raises(ValueError, match="spare_tiles"):
+            ShrinkTiling(1, 2, 4096, NO_SPLIT, num_warps=8, num_stages=1, programs_per_sm=8,
+                         spare_tiles=-1)
+        with pytest.raises(ValueError, match="spare_tiles"):
+            ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
+                         spare_tiles=-1)
+
     def test_whole_row_items_only_for_one_token_tiles(self):
         with pytest.raises(ValueError, match="max_a_block"):
             ShrinkTiling(16, 32, 256, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=8,
