@@ -548,6 +548,22 @@ def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, sink_
 
 
 @triton.jit
+def _expand_subtiles(first_row, end_row, col0, col_end, rank, scale, h_ptrs, b_slot, y_ptr,
+                     stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                     MULTI_R: tl.constexpr, H_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
+    """A tile's block of columns in tile products over TILE_N columns at a time (the first
+    waits for the kernel before)."""
+    for sub in tl.static_range(BLOCK_N // TILE_N):
+        sub_cols = col0 + sub * TILE_N + tl.arange(0, TILE_N)
+        _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale, h_ptrs,
+                     b_slot, y_ptr, stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M, TILE_N,
+                     BLOCK_R, MULTI_R, H_SPLITS, PRECISION, PDL and sub == 0, WEIGHT_EVICT,
+                     record, TRACE)
+
+
+@triton.jit
 def _sgmv_expand_kernel(
     h_ptr,  # [T, NUM_SLICES * MAX_RANK], or float32 partials [H_SPLITS, T, NUM_SLICES * MAX_RANK]
     b_ptr,  # [num_slots, MAX_RANK, O_4] (rank-major)
@@ -586,6 +602,7 @@ def _sgmv_expand_kernel(
     PDL: tl.constexpr,
     WEIGHT_EVICT: tl.constexpr = "",  # B's loads: "evict_first" streams it past the caches
     SETTLE: tl.constexpr = False,  # one-token tiles' B block lands before `gdc_wait` (`_settle`)
+    TOKEN_PRODUCTS: tl.constexpr = True,  # one-token tiles: matrix-vector products (else tiles')
     TRACE: tl.constexpr = False,  # per-program timestamps (diagnostics)
 ):
     record = _record_ptr(trace_ptr, TRACE)
@@ -614,14 +631,18 @@ def _sgmv_expand_kernel(
             h_ptrs = h_ptr + (sl * MAX_RANK).to(tl.int64)
             # A tile of one token (decode) takes a matrix-vector product over the whole block; a
             # tile of several takes tile products over TILE_N columns at a time. Decided per
-            # tile at run time, so a batch of both kinds gets both.
-            if BLOCK_M > 1 and end_row - first_row > 1:
-                for sub in tl.static_range(BLOCK_N // TILE_N):
-                    sub_cols = col0 + sub * TILE_N + tl.arange(0, TILE_N)
-                    _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale,
-                                 h_ptrs, b_slot, y_ptr, stride_ht, stride_hs, stride_br,
-                                 stride_yt, BLOCK_M, TILE_N, BLOCK_R, MULTI_R, H_SPLITS,
-                                 PRECISION, PDL and sub == 0, WEIGHT_EVICT, record, TRACE)
+            # tile at run time, so a batch of both kinds gets both (without TOKEN_PRODUCTS,
+            # every tile takes tile products).
+            if BLOCK_M > 1 and not TOKEN_PRODUCTS:
+                _expand_subtiles(first_row, end_row, col0, col_end, rank, scale, h_ptrs, b_slot,
+                                 y_ptr, stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M,
+                                 BLOCK_N, TILE_N, BLOCK_R, MULTI_R, H_SPLITS, PRECISION, PDL,
+                                 WEIGHT_EVICT, record, TRACE)
+            elif BLOCK_M > 1 and end_row - first_row > 1:
+                _expand_subtiles(first_row, end_row, col0, col_end, rank, scale, h_ptrs, b_slot,
+                                 y_ptr, stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M,
+                                 BLOCK_N, TILE_N, BLOCK_R, MULTI_R, H_SPLITS, PRECISION, PDL,
+                                 WEIGHT_EVICT, record, TRACE)
             else:
                 cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
@@ -837,6 +858,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         H_SPLITS=h_splits,
         TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
         SETTLE=pdl and t.settle_weights,
+        TOKEN_PRODUCTS=t.token_products or t.block_m == 1,
     )
     programs = (bound_tiles + t.spare_tiles) * num_nb
     return _Plan((min(programs, num_sms * t.programs_per_sm),), constants)

@@ -151,6 +151,11 @@ class ExpandTiling:
     # Under programmatic dependent launch, each thread of a one-token tile waits for its block
     # of B to land before it waits for the kernel before (`_settle` in kernels/sgmv_triton.py).
     settle_weights: bool = False
+    # Tiles of one token in a row of several-token tiles (block_m > 1): matrix-vector products
+    # over the whole block (True), or the tile products of the others, 15 rows masked (False).
+    # A block narrower than 8 x 32 x num_warps columns sums a matrix-vector product over the
+    # rank across threads.
+    token_products: bool = True
     spare_tiles: int = 1  # as ShrinkTiling.spare_tiles
 
     def __post_init__(self) -> None:
@@ -297,8 +302,16 @@ SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (32, _SHRINK_TILES),
     (128, replace(_SHRINK_TILES, k_per_split=1024)),
 )
+# Up to 8 tokens the expand's tiles take 128 columns over 4 warps, one-token tiles too in tile
+# products (`token_products` off: their matrix-vector product would sum the rank across warps).
+# Whole layers (`bench_sgmv`'s `time_pairs`, H100, 2026-11-26, us/layer, the 128-row -> this):
+# 8 tokens over one rank-64 adapter 19.90 -> 18.51, over two (4 + 4) 21.77 -> 21.24, a skewed
+# 8 over 7 (2 + six of one) 32.79 -> 32.79 (39.61 with one-token products); at 16 tokens no gain
+# (16 over one 30.23 -> 30.15, over 4 36.98 -> 37.14, skewed 16 over 15 63.77 -> 65.75).
 # (a one-token table of a kind comes first for its batches, so it repeats the rows it shares)
 EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
+    (8, ExpandTiling(16, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8, tile_n=128,
+                     stream_weights=True, token_products=False, spare_tiles=0)),
     (128, ExpandTiling(16, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32, tile_n=64,
                        stream_weights=True)),
 )

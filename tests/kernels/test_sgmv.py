@@ -161,9 +161,15 @@ def sums_tiles() -> tuple:
     return ((16, sums_row(32)), *shrink), expand
 
 
+def tile_products_tiles() -> tuple:
+    """`small_tiles` with the expand's one-token tiles in tile products too (15 rows masked)."""
+    shrink, ((_, expand),) = small_tiles()
+    return shrink, ((None, replace(expand, token_products=False)),)
+
+
 TILINGS = {"small": small_tiles, "wide": wide_tiles, "vector": vector_tiles,
            "token": token_tiles, "unsplit": unsplit_tiles, "live": live_tiles,
-           "sums": sums_tiles}
+           "sums": sums_tiles, "tile_products": tile_products_tiles}
 
 
 def swap_tables(monkeypatch, shrink: tuple, expand: tuple) -> None:
@@ -555,6 +561,22 @@ class TestLaunchers:
                                         132, True) == sgmv_triton._shrink_plan(
             ((None, replace(whole, expand_sums=False)),), 8, hidden, cols, 16, 8, 64, False, 132,
             True)
+
+    def test_wide_pools_expand_up_to_8_tokens_in_tile_products_only(self):
+        # segments of several tokens: every tile (one-token ones too) in tile products over 128
+        # columns, no spare tile; one-token batches keep their one-token products
+        wide, offsets = sgmv_triton.WIDE_RANK, (0, 14336, 28672)
+        several = [sgmv_triton._expand_plan(sgmv_triton._expand_table(False, wide), tokens,
+                                            offsets, wide, 2, 64, False, 132, True)
+                   for tokens in (2, 8, 9)]
+        for plan in several[:2]:
+            c = plan.constants
+            assert (c["BLOCK_M"], c["BLOCK_N"], c["TOKEN_PRODUCTS"]) == (16, 128, False)
+            assert plan.grid == (2 * 28672 // 128,)  # two segments: at most two tiles
+        assert several[2].constants["TOKEN_PRODUCTS"] and several[2].constants["BLOCK_N"] == 64
+        one = sgmv_triton._expand_plan(sgmv_triton._expand_table(True, wide), 8, offsets, wide,
+                                       8, 64, False, 132, True)
+        assert one.constants["BLOCK_M"] == 1 and one.constants["TOKEN_PRODUCTS"]
 
     def test_expand_takes_the_partials_count_as_a_constant(self):
         offsets = (0, 4096, 5120, 6144)
