@@ -241,6 +241,10 @@ SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 # (rank 8); 8 over one adapter 11.67 -> 11.61 (rank 16), 10.76 -> 10.33 (rank 8). Not in the other
 # rows: the same check cost 8 over 8 rank-64 adapters 33.9 -> 36.5, B = D = 64 65.9 -> 69.3 and
 # prefill 228 -> 244 (compiled into a kernel, it costs registers where it does not run).
+# A pool of max rank 8 takes rank steps of 8 here (`_expand_plan`: only tile products need 16):
+# half the block's registers. Same kind of A/B (H100, 2026-11-26, whole layers, us/layer, steps of
+# 16 -> 8): one token 8.43 -> 7.98, 8 over one adapter 9.97 -> 9.48, 8 over 8 adapters 10.76 ->
+# 9.96, over two (4 + 4) 10.0 -> 9.59, 16 over 16 14.33 -> 13.58.
 _EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
                                  stream_weights=True, settle_weights=True)
 

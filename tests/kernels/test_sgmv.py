@@ -77,6 +77,8 @@ BATCHES = {
     "long_segments": ([(33, 1), (5, 2), (18, 3)], [0, 16, 4, 11], 16),  # 33 = 16 + 16 + 1
     "decode_distinct": ([(1, 1 + i % 5) for i in range(11)], [0, 2, 16, 7, 1, 12], 16),
     "rank_loop_r32": ([(3, 1), (2, 2), (4, 3)], [0, 32, 20, 9], 32),
+    # a pool of max rank 8: matrix-vector products step over the rank 8 at a time
+    "pool_of_rank_8": ([(1, 1), (2, 2), (1, 3), (3, 1)], [0, 8, 3, 5], 8),
     # one-token segments in a pool of max rank WIDE_RANK: the wide-rank rows by default
     "decode_wide_rank": ([(1, 1 + i % 4) for i in range(6)], [0, 64, 8, 33, 1], 64),
     # one-token segments after a base token, one of them on the empty slot (rank 0)
@@ -577,6 +579,14 @@ class TestLaunchers:
         one = sgmv_triton._expand_plan(sgmv_triton._expand_table(True, wide), 8, offsets, wide,
                                        8, 64, False, 132, True)
         assert one.constants["BLOCK_M"] == 1 and one.constants["TOKEN_PRODUCTS"]
+
+    def test_rank_steps_follow_a_low_max_rank_except_for_tile_products(self):
+        offsets = (0, 14336, 28672)
+        for one_token, tokens, block_r in ((True, 8, 8), (False, 8, 8), (False, 64, 16)):
+            plan = sgmv_triton._expand_plan(sgmv_triton._expand_table(one_token, 8), tokens,
+                                            offsets, 8, 2, 64, False, 132, True)
+            assert plan.constants["BLOCK_R"] == block_r, (one_token, tokens)
+            assert not plan.constants["MULTI_R"]
 
     def test_expand_takes_the_partials_count_as_a_constant(self):
         offsets = (0, 4096, 5120, 6144)
