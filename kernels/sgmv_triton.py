@@ -844,9 +844,7 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
     """`h_splits`: h's partial sums (the leading dimension of an `expand_sums` shrink's result),
     1 for h itself."""
     t = pick(table, num_tokens, float32=float32)
-    # tl.dot (tiles of 16 tokens and more) takes rank steps of at least 16; matrix-vector
-    # products take a pool of a lower max rank (8, say) in steps of its own width
-    block_r = min(t.block_r, max(16 if t.block_m >= 16 else 1, next_pow2(max_rank)))
+    block_r = min(t.block_r, max(1 if t.narrow_rank_steps else 16, next_pow2(max_rank)))
     block_cap = t.block_n if t.max_tile is None else min(t.block_n, max(16, t.max_tile // block_r))
     block_n, num_nb, slice_consts = _slice_blocks(out_offsets, block_cap)
     bound_tiles = _bound_tiles(num_tokens, t.block_m, num_segments)

@@ -157,10 +157,16 @@ class ExpandTiling:
     # rank across threads.
     token_products: bool = True
     spare_tiles: int = 1  # as ShrinkTiling.spare_tiles
+    # A pool of a max rank below 16 (8, say) steps over the rank that many rows at a time instead
+    # of 16 (tile products need 16): a one-token tile's block of B holds no padding rows.
+    narrow_rank_steps: bool = False
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_n", self.tile_n)
         _check_spare_tiles(self.spare_tiles)
+        if self.narrow_rank_steps and self.block_m >= 16:
+            raise ValueError("narrow_rank_steps takes matrix-vector products (block_m < 16): "
+                             "tile products step 16 ranks at least")
 
 
 def _check_tile_step(name: str, value: int | None) -> None:
@@ -241,12 +247,14 @@ SHRINK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
 # (rank 8); 8 over one adapter 11.67 -> 11.61 (rank 16), 10.76 -> 10.33 (rank 8). Not in the other
 # rows: the same check cost 8 over 8 rank-64 adapters 33.9 -> 36.5, B = D = 64 65.9 -> 69.3 and
 # prefill 228 -> 244 (compiled into a kernel, it costs registers where it does not run).
-# A pool of max rank 8 takes rank steps of 8 here (`_expand_plan`: only tile products need 16):
-# half the block's registers. Same kind of A/B (H100, 2026-11-26, whole layers, us/layer, steps of
-# 16 -> 8): one token 8.43 -> 7.98, 8 over one adapter 9.97 -> 9.48, 8 over 8 adapters 10.76 ->
-# 9.96, over two (4 + 4) 10.0 -> 9.59, 16 over 16 14.33 -> 13.58.
+# Up to 16 tokens a pool of max rank 8 takes rank steps of 8 (`narrow_rank_steps`): half the
+# block's registers. Same kind of A/B (H100, 2026-11-26, whole layers, us/layer, steps of 16 ->
+# 8): one token 8.43 -> 7.98, 8 over one adapter 9.97 -> 9.48, 8 over 8 adapters 10.76 -> 9.96,
+# over two (4 + 4) 10.0 -> 9.59, 16 over 16 14.33 -> 13.58. Not past 16 tokens, where the weights'
+# bandwidth rules: B = D = 32 21.28 -> 21.74, 64 37.14 -> 38.71, 128 69.94 -> 72.18.
 _EXPAND_ONE_TOKEN = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
-                                 stream_weights=True, settle_weights=True)
+                                 stream_weights=True, settle_weights=True,
+                                 narrow_rank_steps=True)
 
 _FEW_TOKENS_EXPAND_ROWS: tuple[tuple[int | None, ExpandTiling], ...] = (  # spare tiles: above
     (1, _EXPAND_ONE_TOKEN),

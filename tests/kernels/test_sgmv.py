@@ -117,10 +117,12 @@ def vector_tiles() -> tuple:
 
 def token_tiles() -> tuple:
     """Decode tiles of one token: the one-dimensional matrix-vector paths of both kernels, with
-    split-K over an uneven hidden size and a rank loop of several steps."""
+    split-K over an uneven hidden size and a rank loop of several steps (narrower steps in a
+    pool of a max rank below 16)."""
     return (
         ((None, ShrinkTiling(1, 16, 32, 64, num_warps=4, num_stages=2, programs_per_sm=3)),),
-        ((None, ExpandTiling(1, 16, 16, num_warps=4, num_stages=1, programs_per_sm=3)),),
+        ((None, ExpandTiling(1, 16, 16, num_warps=4, num_stages=1, programs_per_sm=3,
+                             narrow_rank_steps=True)),),
     )
 
 
@@ -580,9 +582,10 @@ class TestLaunchers:
                                        8, 64, False, 132, True)
         assert one.constants["BLOCK_M"] == 1 and one.constants["TOKEN_PRODUCTS"]
 
-    def test_rank_steps_follow_a_low_max_rank_except_for_tile_products(self):
+    def test_rank_steps_follow_a_low_max_rank_up_to_16_tokens(self):
         offsets = (0, 14336, 28672)
-        for one_token, tokens, block_r in ((True, 8, 8), (False, 8, 8), (False, 64, 16)):
+        for one_token, tokens, block_r in ((True, 8, 8), (False, 16, 8), (True, 64, 16),
+                                           (False, 64, 16)):
             plan = sgmv_triton._expand_plan(sgmv_triton._expand_table(one_token, 8), tokens,
                                             offsets, 8, 2, 64, False, 132, True)
             assert plan.constants["BLOCK_R"] == block_r, (one_token, tokens)
@@ -804,6 +807,13 @@ class TestTilingRows:
         with pytest.raises(ValueError, match="power of two"):
             ExpandTiling(16, 512, 16, num_warps=4, num_stages=1, programs_per_sm=16,
                          tile_n=step)
+
+    def test_narrow_rank_steps_only_for_matrix_vector_products(self):
+        ExpandTiling(1, 64, 16, num_warps=1, num_stages=1, programs_per_sm=4,
+                     narrow_rank_steps=True)
+        with pytest.raises(ValueError, match="narrow_rank_steps"):
+            ExpandTiling(16, 64, 16, num_warps=1, num_stages=1, programs_per_sm=4,
+                         narrow_rank_steps=True)
 
     def test_live_items_only_for_one_token_tiles(self):
         with pytest.raises(ValueError, match="live_items"):
