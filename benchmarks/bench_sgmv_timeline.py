@@ -232,7 +232,7 @@ def run_gpu(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="1:1:16,1:1:64,8:1:16,8:8:16,8:1:64",
+    ap.add_argument("--cases", default="1:1:16,1:1:64,8:1:16,8:8:16,8:8:8,8:1:64",
                     help="tokens:adapters:rank, comma-separated (rank: a number or mixed)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results")
