@@ -918,8 +918,17 @@ class TestOnGpu:
         "seg_lens", [[1] * 64, [8] * 8, [1], [300, 17, 129, 2]], ids=["b64", "d8", "b1", "prefill"]
     )
     def test_llama3_widths_against_float32_reference(self, dtype, seg_lens):
-        layout, max_rank = LLAMA3_8B_QKV, 64
-        ranks = [0, 8, 16, 32, 64, 16, 8, 64, 32]
+        self.check_against_float32(LLAMA3_8B_QKV, [0, 8, 16, 32, 64, 16, 8, 64, 32], 64,
+                                   seg_lens, dtype)
+
+    @pytest.mark.parametrize("max_rank", [1, 2, 4, 8])
+    @pytest.mark.parametrize("seg_lens", [[1] * 8, [3, 1, 4]], ids=["d8", "segments"])
+    def test_pools_of_a_max_rank_below_16_step_their_own_rank(self, max_rank, seg_lens):
+        ranks = [0, max_rank, max(1, max_rank // 2), max_rank]
+        self.check_against_float32(LLAMA3_8B_QKV, ranks, max_rank, seg_lens, torch.bfloat16)
+
+    @staticmethod
+    def check_against_float32(layout, ranks, max_rank, seg_lens, dtype):
         a, b = make_weights(layout, ranks, max_rank, dtype=dtype)
         slots = [1 + i % (len(ranks) - 1) for i in range(len(seg_lens))]
         ends = torch.tensor(seg_lens).cumsum(0).tolist()
