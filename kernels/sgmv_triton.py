@@ -632,13 +632,14 @@ def _sgmv_expand_kernel(
             # A tile of one token (decode) takes a matrix-vector product over the whole block; a
             # tile of several takes tile products over TILE_N columns at a time. Decided per
             # tile at run time, so a batch of both kinds gets both (without TOKEN_PRODUCTS,
-            # every tile takes tile products).
-            if BLOCK_M > 1 and not TOKEN_PRODUCTS:
-                _expand_subtiles(first_row, end_row, col0, col_end, rank, scale, h_ptrs, b_slot,
-                                 y_ptr, stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M,
-                                 BLOCK_N, TILE_N, BLOCK_R, MULTI_R, H_SPLITS, PRECISION, PDL,
-                                 WEIGHT_EVICT, record, TRACE)
-            elif BLOCK_M > 1 and end_row - first_row > 1:
+            # every tile takes tile products, and only they are compiled).
+            if BLOCK_M == 1:
+                tile_products = False
+            elif TOKEN_PRODUCTS:
+                tile_products = end_row - first_row > 1
+            else:
+                tile_products = True
+            if tile_products:
                 _expand_subtiles(first_row, end_row, col0, col_end, rank, scale, h_ptrs, b_slot,
                                  y_ptr, stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M,
                                  BLOCK_N, TILE_N, BLOCK_R, MULTI_R, H_SPLITS, PRECISION, PDL,
