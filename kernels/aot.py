@@ -32,7 +32,7 @@ GROUPS = {
 }
 HOPPER = ("cuda", 90, 32)  # backend, compute capability, warp size
 NUM_SMS = 132  # an H100 SXM
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg")
 
 _POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
@@ -224,10 +224,11 @@ def main() -> None:
                 compiled, plan = expand(*shape, one_token=one_token, h_splits=splits)
             u = usage(compiled)
             warps = plan.constants["num_warps"]
+            cap = plan.constants.get("maxnreg", 0)  # the row's `max_registers` (0: none)
             kind = "one-token" if one_token else "any"
             print(f"{name:6} rank {rank:3} tokens {tokens:5} {group:7} {dtype:8} pdl {pdl!s:5} "
                   f"segments {kind:9} partials {splits:2} "
-                  f"regs {u.registers:3} stack {u.stack:3} local {u.local:3} "
+                  f"regs {u.registers:3} cap {cap:3} stack {u.stack:3} local {u.local:3} "
                   f"warps {warps} programs/SM {u.programs_per_sm(warps)}",
                   flush=True)
 

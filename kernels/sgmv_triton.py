@@ -889,8 +889,8 @@ def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: 
     """What both kernels' launches take alike: the segment and slot tables' widths, the token
     tile, warps and stages, the weight loads' cache policy (a row that streams its weights marks
     them first out of L1 and L2, so they do not push out the x, h and y rows that several items
-    of a token read) and programmatic dependent launch (the `PDL` constant and Triton's
-    `launch_pdl` option travel together)."""
+    of a token read), programmatic dependent launch (the `PDL` constant and Triton's
+    `launch_pdl` option travel together) and the row's register cap, if it sets one."""
     return dict(
         MAX_RANK=max_rank,
         BLOCK_S=_pow2_at_least_16(num_segments),
@@ -901,6 +901,7 @@ def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: 
         num_warps=t.num_warps,
         num_stages=t.num_stages,
         **({"launch_pdl": True} if pdl else {}),
+        **({"maxnreg": t.max_registers} if t.max_registers is not None else {}),
     )
 
 

@@ -116,10 +116,16 @@ class ShrinkTiling:
     # reads h: no arrival counter, no second round trip. A chunk covering the hidden size: h as
     # without it.
     expand_sums: bool = False
+    # The compiler's cap on registers a thread (Triton's `maxnreg`; None: its own choice). Where
+    # its choice falls just past a multiple of the register file (134 registers on 4 warps: 3
+    # programs an SM), a cap keeps one program more resident. A cap can also raise a kernel the
+    # compiler gave fewer (60 -> 72 on one group): rows set it where it was timed.
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_k", self.tile_k)
         _check_spare_tiles(self.spare_tiles)
+        _check_max_registers(self.max_registers)
         if self.live_items and self.block_m != 1:
             raise ValueError("live_items takes one-token tiles (block_m 1)")
         if self.expand_sums and (self.block_m != 1 or self.live_items):
@@ -160,10 +166,12 @@ class ExpandTiling:
     # A pool of a max rank below 16 (8, say) steps over the rank that many rows at a time instead
     # of 16 (tile products need 16): a one-token tile's block of B holds no padding rows.
     narrow_rank_steps: bool = False
+    max_registers: int | None = None  # as ShrinkTiling.max_registers
 
     def __post_init__(self) -> None:
         _check_tile_step("tile_n", self.tile_n)
         _check_spare_tiles(self.spare_tiles)
+        _check_max_registers(self.max_registers)
         if self.narrow_rank_steps and self.block_m >= 16:
             raise ValueError("narrow_rank_steps takes matrix-vector products (block_m < 16): "
                              "tile products step 16 ranks at least")
@@ -179,6 +187,12 @@ def _check_tile_step(name: str, value: int | None) -> None:
 def _check_spare_tiles(value: int) -> None:
     if value < 0:
         raise ValueError(f"spare_tiles must be at least 0, got {value}")
+
+
+def _check_max_registers(value: int | None) -> None:
+    """A thread holds 16 to 255 registers on NVIDIA GPUs since Volta."""
+    if value is not None and not 16 <= value <= 255:
+        raise ValueError(f"max_registers must be within 16-255 (or None), got {value}")
 
 
 NO_SPLIT = 1 << 30
@@ -303,11 +317,19 @@ EXPAND_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 # items meet the empty ones unevenly. B = D = 64 over ranks 8-64, same run: 62.2 (table row) -> 67.8
 # (8 warps at 2 per SM) -> 58.9 (the same with live items); at rank 16, where no block is empty,
 # live items cost 35.2 -> 35.8, so only the wide-rank table takes them.
+# Up to 16 tokens the compiler's registers are capped at 128 (`max_registers`): its own choice for
+# the down projection, 134 on 4 warps, left 3 programs an SM, and segments of several tokens run
+# their one-token items in waves (8 tokens over one adapter: 512 items). Whole layers
+# (`time_pairs`, H100, 2026-11-26, us/layer, medians of three interleaved runs, no cap -> 128 ->
+# 112): 8 tokens over one rank-64 adapter 18.77 -> 18.06 -> 18.37, over two (4 + 4) 21.53 -> 20.46
+# -> 20.24, skewed 8 over 7 32.76 -> 32.30 -> 32.32, 16 over one 29.84 -> 28.31 -> 27.84. Batches
+# whose every segment is one token keep their own row uncapped: there the cap lost 0.1-0.2 (8
+# over 8 adapters 32.94 -> 33.09, ranks 8-64 21.28 -> 21.39, 16 over 16 59.90 -> 60.11).
 WIDE_RANK = 64
 _SHRINK_WIDE_FEW_TOKENS: tuple[tuple[int | None, ShrinkTiling], ...] = (
     (1, replace(_SHRINK_FEW_TOKENS, spare_tiles=0)),  # spare tiles: see SHRINK_TABLE
     (16, ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
-                      max_a_block=16384, stream_weights=True, spare_tiles=0)),
+                      max_a_block=16384, stream_weights=True, spare_tiles=0, max_registers=128)),
 )
 SHRINK_WIDE_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     *_SHRINK_WIDE_FEW_TOKENS,
@@ -335,7 +357,7 @@ EXPAND_WIDE_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (
 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
     _SHRINK_WIDE_FEW_TOKENS[0],
     (16, replace(_SHRINK_WIDE_FEW_TOKENS[1][1], block_n=4, block_k=8192, k_per_split=8192,
-                 expand_sums=True)),
+                 expand_sums=True, max_registers=None)),
     (128, replace(_SHRINK_ONE_TOKEN, live_items=True)),
 )
 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = (

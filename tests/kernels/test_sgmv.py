@@ -129,10 +129,10 @@ def token_tiles() -> tuple:
 def unsplit_tiles() -> tuple:
     """Decode tiles of one token without split-K: a column block narrowed to the few whole rows
     of A that `max_a_block` allows (fewer for a wider hidden size), each item writing h itself;
-    weights loaded with the streaming cache policy."""
+    weights loaded with the streaming cache policy, the shrink's registers capped."""
     return (
         ((None, ShrinkTiling(1, 16, 64, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=3,
-                             max_a_block=128, stream_weights=True)),),
+                             max_a_block=128, stream_weights=True, max_registers=128)),),
         ((None, ExpandTiling(1, 16, 16, num_warps=4, num_stages=1, programs_per_sm=3,
                              stream_weights=True)),),
     )
@@ -518,6 +518,28 @@ class TestLaunchers:
         # the shrink's few-token rows serve segments of several tokens too
         assert pick(sgmv_triton._shrink_table(False, 16), 8).spare_tiles == 0
 
+    def test_a_register_cap_travels_as_a_launch_option(self):
+        """Wide pools' several-token segments up to 16 tokens: the compiler's registers capped
+        (`maxnreg`); one-token batches, rank-16 pools and wider batches: its own choice."""
+        wide = sgmv_triton.WIDE_RANK
+
+        def cap(one_token, max_rank, tokens):
+            plan = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(one_token, max_rank),
+                                            tokens, 14336, max_rank, max_rank, tokens, 64,
+                                            False, 132)
+            return plan.constants.get("maxnreg")
+
+        for tokens in (2, 8, 16):
+            assert cap(False, wide, tokens) == 128
+            assert cap(True, wide, tokens) is None
+            assert cap(False, 16, tokens) is None
+        for tokens in (1, 17, 128):
+            assert cap(False, wide, tokens) is None
+        row = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
+                           max_registers=96)
+        plan = sgmv_triton._expand_plan(((None, row),), 1, (0, 4096), 16, 1, 64, False, 132)
+        assert plan.constants["maxnreg"] == 96
+
     def test_few_token_items_take_two_rows_of_a_at_every_hidden_size(self):
         # Up to 16 tokens a one-token item holds two rows of A, the down projection's 14,336-wide
         # rows too (one row an item would read each token's x row twice as often): whole rows
@@ -836,6 +858,18 @@ class TestTilingRows:
         with pytest.raises(ValueError, match="spare_tiles"):
             ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
                          spare_tiles=-1)
+
+    @pytest.mark.parametrize("cap", [0, 15, 256])
+    def test_register_caps_within_what_a_thread_holds(self, cap):
+        ShrinkTiling(1, 2, 4096, NO_SPLIT, num_warps=8, num_stages=1, programs_per_sm=8,
+                     max_registers=255)
+        ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2, max_registers=16)
+        with pytest.raises(ValueError, match="max_registers"):
+            ShrinkTiling(1, 2, 4096, NO_SPLIT, num_warps=8, num_stages=1, programs_per_sm=8,
+                         max_registers=cap)
+        with pytest.raises(ValueError, match="max_registers"):
+            ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
+                         max_registers=cap)
 
     def test_whole_row_items_only_for_one_token_tiles(self):
         with pytest.raises(ValueError, match="max_a_block"):

@@ -58,6 +58,12 @@ def test_every_tuning_row_compiles_for_hopper():
     assert any("segments one-token" in line for line in lines), run_stdout
     for line in lines:
         assert 0 < usage_field(line, "regs") <= 255, line
+    # a row's register cap (`max_registers`) reaches the compiler, which keeps to it unspilled
+    capped = [line for line in lines if usage_field(line, "cap")]
+    assert capped, run_stdout
+    for line in capped:
+        assert usage_field(line, "regs") <= usage_field(line, "cap"), line
+        assert usage_field(line, "stack") == usage_field(line, "local") == 0, line
 
 
 # Each group's hidden size in two chunks. More chunks spill where the expand was already near 255
