@@ -52,6 +52,11 @@ class KernelSpan:
     after_wait: float | None
 
 
+def layer_origin(records: list[list[list[int]]], grids: list[int], first: int) -> int:
+    """The layer's clock origin (ns): the last end stamp of launch first - 1."""
+    return max(r[END] for r in records[first - 1][:grids[first - 1]] if r[END])
+
+
 def kernel_spans(records: list[list[list[int]]], grids: list[int], first: int, count: int
                  ) -> list[KernelSpan]:
     """Launches [first, first + count) of one replay's `records` ([launch][program][field], ns;
@@ -60,10 +65,7 @@ def kernel_spans(records: list[list[list[int]]], grids: list[int], first: int, c
     if first < 1:
         raise ValueError("the first launch needs a launch before it on the clock")
 
-    def column(launch: int, field: int) -> list[int]:
-        return [r[field] for r in records[launch][:grids[launch]] if r[field]]
-
-    origin = max(column(first - 1, END))
+    origin = layer_origin(records, grids, first)
 
     def at(program: list[int], field: int) -> float | None:
         return (program[field] - origin) / 1e3 if program[field] else None
@@ -136,7 +138,7 @@ def layer_programs(records: list[list[list[int]]], grids: list[int], first: int,
     """Every program of launches [first - 1, first + count) as [start, located, waited, end]
     in µs from the end of launch first - 1 (None where not recorded) and its SM: where each
     program ran and when, for looking at one layer's programs side by side."""
-    origin = max(r[END] for r in records[first - 1][:grids[first - 1]] if r[END])
+    origin = layer_origin(records, grids, first)
     return [[[(p[f] - origin) / 1e3 if p[f] else None for f in (START, LOCATED, WAITED, END)]
              + [p[4]] for p in records[launch][:grids[launch]]]
             for launch in range(first - 1, first + count)]
@@ -185,8 +187,8 @@ def measure(case, reps: int) -> tuple[list[dict], dict]:
         torch.cuda.synchronize()
         records = timeline.records.tolist()
         replays.append(kernel_spans(records, timeline.grids, middle, per_layer))
-        programs = layer_programs(records, timeline.grids, middle, per_layer)
         step_ns.append(timer_step_ns(records, timeline.grids[middle:middle + per_layer]))
+    programs = layer_programs(records, timeline.grids, middle, per_layer)  # the last replay's
     rows = median_spans(replays)
     names = [f"{g} {k}" for g in LLAMA3_8B for k in KERNELS_PER_GROUP]
     label = f"{case.num_tokens} over {case.num_adapters}, rank {case.rank_label}"
