@@ -234,12 +234,15 @@ def check_against_reference(p: Problem) -> float:
     return worst
 
 
+def weight_bytes(case: Case, shapes: dict) -> int:
+    """A layer's adapter weights at each adapter's true rank (minimal bytes less x and y)."""
+    no_weights = Case(case.phase, case.seg_lens, (0,) * case.num_adapters, "")
+    return minimal_bytes(case, shapes) - minimal_bytes(no_weights, shapes)
+
+
 def layers_for(case: Case, shapes: dict, device) -> int:
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    weight_bytes = minimal_bytes(case, shapes) - minimal_bytes(
-        Case(case.phase, case.seg_lens, (0,) * case.num_adapters, ""), shapes
-    )
-    return max(2, min(MAX_LAYERS, math.ceil(L2_MULTIPLE * l2 / weight_bytes)))
+    return max(2, min(MAX_LAYERS, math.ceil(L2_MULTIPLE * l2 / weight_bytes(case, shapes))))
 
 
 def measure(case: Case, bw: float, args: argparse.Namespace) -> dict:
@@ -696,26 +699,46 @@ def sweep_latency(args: argparse.Namespace) -> None:
 def residency(args: argparse.Namespace) -> None:
     """For the cases of `--sweep-cases`: a layer, its shrinks alone and its expands alone with
     the layers' weights rotating past L2 (as measured) and with every layer the same tensors
-    (L2-resident), to tell weight bandwidth from the kernels' own latency. Prints; writes
-    nothing."""
+    (L2-resident), to tell weight bandwidth from the kernels' own latency: a cell whose
+    L2-resident layer stays past a goal misses it on latency, whatever its weights' reads do.
+    Writes `sgmv_residency`."""
+    from benchmarks.common import write_results
 
     device = torch.device("cuda")
+    rows = []
     for case in ((QUICK + SWEEP_EXTRA)[i] for i in args.sweep_cases):
         layers = layers_for(case, LLAMA3_8B, device)
-        times = {}
+        row = {"phase": case.phase, "tokens": case.num_tokens, "adapters": case.num_adapters,
+               "ranks": case.rank_label, "weights_MB": weight_bytes(case, LLAMA3_8B) / 1e6}
         for weights in ("rotating", "resident"):
             p = make_problem(case, LLAMA3_8B, layers, torch.bfloat16, device)
             if weights == "resident":
                 p.weights = [p.weights[0]] * layers
             p.h = layer0_h(p)
-            times[weights] = [graph_us_per_layer(p, fn)
-                              for fn in (sgmv_layer, shrink_layer, expand_layer)]
+            for part, fn in (("layer", sgmv_layer), ("shrinks", shrink_layer),
+                             ("expands", expand_layer)):
+                row[f"{part}_{weights}_us"] = graph_us_per_layer(p, fn)
             del p
-        print(f"{case.phase} tokens {case.num_tokens} adapters {case.num_adapters} ranks "
-              f"{case.rank_label}: " + "; ".join(
-                  f"{w} layer {t[0]:.2f} shrinks {t[1]:.2f} expands {t[2]:.2f} us"
-                  for w, t in times.items()), flush=True)
+        row["resident_over_rotating"] = row["layer_resident_us"] / row["layer_rotating_us"]
+        rows.append(row)
+        print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
+              flush=True)
         torch.cuda.empty_cache()
+    path = write_results(
+        args.out, "sgmv_residency",
+        "SGMV layers with their weights rotating past L2 and L2-resident (CUDA-graph replay)",
+        "µs per layer (all seven projections, bf16), and its shrinks and expands alone, with "
+        "each layer's weights fresh (rotating past L2, as bench_sgmv measures) against every "
+        "layer on the same weights (L2-resident) in the same run; resident_over_rotating = the "
+        "layer's resident time / its rotating time (1.0: the weights' reads cost nothing); a "
+        "layer's weights past the L2's size (l2_MB) cannot stay resident",
+        ["phase", "tokens", "adapters", "ranks", "weights_MB", "layer_rotating_us", "layer_resident_us",
+         "resident_over_rotating", "shrinks_rotating_us", "shrinks_resident_us",
+         "expands_rotating_us", "expands_resident_us"],
+        rows,
+        {"l2_MB": torch.cuda.get_device_properties(device).L2_cache_size / 1e6},
+    )
+    print(f"wrote {path}")
 
 
 def sgmv_triton_pdl() -> bool:
@@ -835,7 +858,7 @@ def main() -> None:
                          "(default cases 0,1,15,16 and 16 over 16); writes nothing")
     ap.add_argument("--residency", action="store_true",
                     help="--sweep-cases with weights rotating past L2 and L2-resident; "
-                         "writes nothing")
+                         "writes sgmv_residency")
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
     ap.add_argument("--variants", action="store_true",
                     help="also time without programmatic dependent launch")
