@@ -192,8 +192,9 @@ def kernel_variants(tokens: int, max_rank: int) -> list[tuple[str, bool]]:
     return variants
 
 
-# Pool ranks compiled by default: a rank-16 pool, and one past WIDE_RANK (its own rows).
-MAX_RANKS = (16, 64)
+# Pool ranks compiled by default: a rank-16 pool, and one at NARROW_RANK and one past WIDE_RANK
+# (their own rows).
+MAX_RANKS = (8, 16, 64)
 
 
 def main() -> None:

@@ -72,10 +72,13 @@ except ImportError:  # an older Triton: never launched with PDL, so these are ne
 from kernels.launch import CachedLaunch, cdiv, next_pow2
 from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
 from kernels.sgmv_tuning import (
+    EXPAND_NARROW_RANK_TABLE,
     EXPAND_ONE_TOKEN_TABLE,
     EXPAND_TABLE,
     EXPAND_WIDE_RANK_ONE_TOKEN_TABLE,
     EXPAND_WIDE_RANK_TABLE,
+    NARROW_RANK,
+    SHRINK_NARROW_RANK_TABLE,
     SHRINK_ONE_TOKEN_TABLE,
     SHRINK_TABLE,
     SHRINK_WIDE_RANK_ONE_TOKEN_TABLE,
@@ -749,24 +752,29 @@ def triton_expand(
 
 
 def _rows(general: tuple, one_token: tuple, wide_rank: tuple, wide_rank_one_token: tuple,
-          one_token_segments: bool, max_rank: int) -> tuple:
-    """A kernel's tuning rows for a batch: when every segment is one token, the one-token rows
-    first (in pools of a max rank of at least WIDE_RANK, the wide-rank ones ahead of them);
-    then, in such pools, the wide-rank rows for every batch; then the general rows. A hint about
-    speed only: every row computes every batch."""
+          narrow_rank: tuple, one_token_segments: bool, max_rank: int) -> tuple:
+    """A kernel's tuning rows for a batch: in pools of a max rank of at most NARROW_RANK, the
+    narrow-rank rows first; when every segment is one token, the one-token rows (in pools of a
+    max rank of at least WIDE_RANK, the wide-rank ones ahead of them); then, in such pools, the
+    wide-rank rows for every batch; then the general rows. A hint about speed only: every row
+    computes every batch."""
     wide = max_rank >= WIDE_RANK
-    rows = ((wide_rank_one_token if wide else ()) + one_token) if one_token_segments else ()
+    rows = narrow_rank if max_rank <= NARROW_RANK else ()
+    if one_token_segments:
+        rows += (wide_rank_one_token if wide else ()) + one_token
     return rows + (wide_rank if wide else ()) + general
 
 
 def _shrink_table(one_token_segments: bool, max_rank: int) -> tuple:
     return _rows(SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_WIDE_RANK_TABLE,
-                 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE, one_token_segments, max_rank)
+                 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE, SHRINK_NARROW_RANK_TABLE,
+                 one_token_segments, max_rank)
 
 
 def _expand_table(one_token_segments: bool, max_rank: int) -> tuple:
     return _rows(EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE, EXPAND_WIDE_RANK_TABLE,
-                 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE, one_token_segments, max_rank)
+                 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE, EXPAND_NARROW_RANK_TABLE,
+                 one_token_segments, max_rank)
 
 
 TABLES = {"shrink": _shrink_table, "expand": _expand_table}

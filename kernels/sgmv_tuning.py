@@ -366,8 +366,26 @@ EXPAND_WIDE_RANK_ONE_TOKEN_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = 
 )
 
 
+# Pools of a narrow max rank (8 and below). Up to 8 tokens, rows for every batch ahead of all the
+# others (a single token keeps its row): items of the shrink take one row of A over 16 warps
+# where a hidden size is too wide for two in `max_a_block` (the down projection: 64 items at 8
+# tokens of rank 8, fewer than the SMs), two over 16 warps elsewhere. Whole layers, H100,
+# 2026-11-26, us/layer, medians of three interleaved runs, the rows before -> this one: 8 over 8
+# rank-8 adapters 9.90 -> 9.68, 8 over one 9.43 -> 9.32, over two (4 + 4) 9.54 -> 9.39, skewed 8
+# over 7 (2 + six of one) 9.87 -> 9.72. Not past 8 tokens (16 over 16, the down group alone on
+# it: 13.56 -> 13.82), nor for a single token, whose row sums two chunks in the expand (8.13 ->
+# 8.20), nor in rank-16 pools (8 over 8 adapters, the down group alone: 12.63 -> 12.99).
+NARROW_RANK = 8
+SHRINK_NARROW_RANK_TABLE: tuple[tuple[int | None, ShrinkTiling], ...] = (
+    _FEW_TOKENS_SHRINK_ROWS[0],
+    (8, replace(_FEW_TOKENS_SHRINK_ROWS[1][1], num_warps=16, max_a_block=16384)),
+)
+EXPAND_NARROW_RANK_TABLE: tuple[tuple[int | None, ExpandTiling], ...] = ()
+
+
 # Each kernel's tables are named {SHRINK,EXPAND}_{name} for these names (tools swap them all).
-TABLE_NAMES = ("TABLE", "ONE_TOKEN_TABLE", "WIDE_RANK_TABLE", "WIDE_RANK_ONE_TOKEN_TABLE")
+TABLE_NAMES = ("TABLE", "ONE_TOKEN_TABLE", "WIDE_RANK_TABLE", "WIDE_RANK_ONE_TOKEN_TABLE",
+               "NARROW_RANK_TABLE")
 
 
 # float32 is the checking dtype (the GPU tests compare it token for token with PEFT). Its products

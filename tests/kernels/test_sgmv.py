@@ -649,6 +649,34 @@ class TestLaunchers:
         assert e_swapped.constants["BLOCK_M"] == expand[0][1].block_m
         assert e_swapped.constants != e_default.constants
 
+    def test_narrow_rank_pools_take_one_row_of_a_down_items_over_16_warps(self):
+        # Pools of max rank 8 and below, 2-8 tokens, every batch: the down projection's items
+        # one row of A each, the 4,096-wide groups' two, over 16 warps; a single token, more
+        # tokens and rank-16 pools keep the rows before.
+        narrow = sgmv_triton.NARROW_RANK
+        for max_rank in (1, 4, narrow):
+            for tokens in (2, 8):
+                for one_token in (False, True):
+                    table = sgmv_triton._shrink_table(one_token, max_rank)
+                    for hidden, rows in ((4096, 2), (14336, 1)):
+                        s = sgmv_triton._shrink_plan(table, tokens, hidden, max_rank, max_rank,
+                                                     tokens, 64, False, 132)
+                        c = s.constants
+                        assert (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]) == (1, rows, 16)
+                        assert s.split_k == 1
+            assert not sgmv_triton.one_token_variant_differs(8, max_rank)
+        before = sgmv_triton._shrink_table(True, 16)
+        for max_rank, tokens in ((narrow, 1), (narrow, 16), (16, 8), (2 * narrow, 2)):
+            row = pick(sgmv_triton._shrink_table(True, max_rank), tokens)
+            assert row == pick(before, tokens) and row.num_warps == 8, (max_rank, tokens)
+        assert pick(sgmv_triton._shrink_table(False, narrow), 16) == pick(
+            sgmv_triton._shrink_table(False, 16), 16)
+        # the expand's rows are the rank-16 pools' (their rank steps narrow by themselves)
+        for tokens in (1, 8, 64):
+            for one_token in (False, True):
+                assert pick(sgmv_triton._expand_table(one_token, narrow), tokens) == pick(
+                    sgmv_triton._expand_table(one_token, 16), tokens)
+
     def test_one_token_batches_pick_their_own_rows(self):
         args = (64, 4096, 48, 16, 64, 64, False, 132)
         one = sgmv_triton._shrink_plan(sgmv_triton._shrink_table(True, 16), *args)
@@ -942,6 +970,7 @@ class TestReferenceMatchesPerTokenLoop:
 
 
 LLAMA3_8B_QKV = Layout(4096, (4096, 1024, 1024))
+LLAMA3_8B_DOWN = Layout(14336, (4096,))
 
 
 @pytest.mark.gpu
@@ -957,9 +986,12 @@ class TestOnGpu:
 
     @pytest.mark.parametrize("max_rank", [1, 2, 4, 8])
     @pytest.mark.parametrize("seg_lens", [[1] * 8, [3, 1, 4]], ids=["d8", "segments"])
-    def test_pools_of_a_max_rank_below_16_step_their_own_rank(self, max_rank, seg_lens):
+    @pytest.mark.parametrize("layout", [LLAMA3_8B_QKV, LLAMA3_8B_DOWN], ids=["qkv", "down"])
+    def test_pools_of_a_max_rank_below_16_step_their_own_rank(self, max_rank, seg_lens, layout):
+        # (and, up to 8 tokens, take their own shrink rows: the down projection's items one row
+        # of A each, over 16 warps)
         ranks = [0, max_rank, max(1, max_rank // 2), max_rank]
-        self.check_against_float32(LLAMA3_8B_QKV, ranks, max_rank, seg_lens, torch.bfloat16)
+        self.check_against_float32(layout, ranks, max_rank, seg_lens, torch.bfloat16)
 
     @staticmethod
     def check_against_float32(layout, ranks, max_rank, seg_lens, dtype):
@@ -972,8 +1004,8 @@ class TestOnGpu:
         num_tokens = ends[-1] + 3
         x = torch.randn(num_tokens, layout.hidden, device=DEVICE, dtype=dtype)
         y = torch.randn(num_tokens, sum(layout.outs), device=DEVICE, dtype=dtype)
-        h = sgmv_triton.triton_shrink(x, a, batch, 3)
-        h_ref = torch_shrink(x.float(), a.float(), batch, 3)
+        h = sgmv_triton.triton_shrink(x, a, batch, len(layout.outs))
+        h_ref = torch_shrink(x.float(), a.float(), batch, len(layout.outs))
         read = read_by_expand(batch, num_tokens, h.shape[1], max_rank).to(DEVICE)
         torch.testing.assert_close(h[read].float(), h_ref[read], atol=2e-2, rtol=2e-2)
         inside = segment_rows(batch, num_tokens)
@@ -984,7 +1016,7 @@ class TestOnGpu:
         assert torch.equal(y_out[~inside], y[~inside])
 
     def test_split_k_bitwise_stable_over_many_launches(self):
-        layout = Layout(14336, (4096,))  # down_proj: the longest split-K
+        layout = LLAMA3_8B_DOWN  # the longest split-K
         ranks = [0] + [16] * 64
         a, b = make_weights(layout, ranks, 16, dtype=torch.bfloat16)
         batch = batch_from_tables(list(range(64)), list(range(1, 65)), list(range(1, 65)), ranks,
