@@ -685,16 +685,19 @@ def triton_shrink(
     if num_segments == 0:
         return x.new_empty(num_tokens, num_cols)
 
-    plan = _shrink_plan(_shrink_table(batch.one_token_segments, max_rank), num_tokens, hidden,
-                        num_cols, max_rank, num_segments, batch.slot_ranks.shape[0],
-                        _unrolled(x), _num_sms(x.device), _pdl_enabled(x.device))
+    device, num_slots = x.device, batch.slot_ranks.shape[0]
+    tables = (SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_WIDE_RANK_TABLE,
+              SHRINK_WIDE_RANK_ONE_TOKEN_TABLE, SHRINK_NARROW_RANK_TABLE)
+    plan = _memo_plan(_shrink_plan, _shrink_table, tables, batch.one_token_segments, max_rank,
+                      (num_tokens, hidden, num_cols, max_rank, num_segments, num_slots,
+                       _unrolled(x), _num_sms(device), _pdl_enabled(device)))
     splits = (plan.split_k, num_tokens, num_cols)
     if plan.expand_sums:  # the partials are the result: no h written, no arrival counted
-        part = torch.empty(splits, dtype=torch.float32, device=x.device)
+        part = torch.empty(splits, dtype=torch.float32, device=device)
         h, locks = part[0], batch.seg_slots  # unused by the kernel
     elif plan.split_k > 1:
-        part = torch.empty(splits, dtype=torch.float32, device=x.device)
-        h, locks = x.new_empty(num_tokens, num_cols), _locks(x.device, plan.num_locks)
+        part = torch.empty(splits, dtype=torch.float32, device=device)
+        h, locks = x.new_empty(num_tokens, num_cols), _locks(device, plan.num_locks)
     else:
         h = x.new_empty(num_tokens, num_cols)
         part, locks = h, batch.seg_slots  # unused by the kernel
@@ -702,8 +705,8 @@ def triton_shrink(
         plan,
         (x, a, h, part, locks,
          batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
-         num_segments, batch.slot_ranks.shape[0], num_tokens, hidden,
-         x.stride(0), a.stride(0), a.stride(1), h.stride(0), _trace_ptr(plan, x.device)),
+         num_segments, num_slots, num_tokens, hidden,
+         x.stride(0), a.stride(0), a.stride(1), h.stride(0), _trace_ptr(plan, device)),
         PRECISION=_precision(x.dtype), TRACE=_timeline is not None,
     )
     return part if plan.expand_sums else h
@@ -735,18 +738,20 @@ def triton_expand(
     if num_segments == 0:
         return
 
-    num_slots = batch.slot_ranks.shape[0]
-    plan = _expand_plan(_expand_table(batch.one_token_segments, max_rank), num_tokens,
-                        tuple(out_offsets), max_rank, num_segments, num_slots, _unrolled(y),
-                        _num_sms(y.device), _pdl_enabled(y.device),
-                        h.shape[0] if partials else 1)
+    device, num_slots = y.device, batch.slot_ranks.shape[0]
+    tables = (EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE, EXPAND_WIDE_RANK_TABLE,
+              EXPAND_WIDE_RANK_ONE_TOKEN_TABLE, EXPAND_NARROW_RANK_TABLE)
+    plan = _memo_plan(_expand_plan, _expand_table, tables, batch.one_token_segments, max_rank,
+                      (num_tokens, tuple(out_offsets), max_rank, num_segments, num_slots,
+                       _unrolled(y), _num_sms(device), _pdl_enabled(device),
+                       h.shape[0] if partials else 1))
     _EXPAND(
         plan,
-        (h, b, y, _sink(y.device),
+        (h, b, y, _sink(device),
          batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
          num_segments, num_slots,
          h.stride(-2), h.stride(0) if partials else 0, b.stride(0), b.stride(1), y.stride(0),
-         _trace_ptr(plan, y.device)),
+         _trace_ptr(plan, device)),
         PRECISION=_precision(y.dtype), TRACE=_timeline is not None,
     )
 
@@ -871,6 +876,28 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
     )
     programs = (bound_tiles + t.spare_tiles) * num_nb
     return _Plan((min(programs, num_sms * t.programs_per_sm),), constants)
+
+
+# Plans by the tables they come from. `_shrink_plan` and `_expand_plan` are keyed by a whole table
+# of tuning rows, whose hash (every field of every row) cost about 4 us of a host-bound eager
+# step's launch on an H100's host. The tables are the module's at the time of the launch (tests
+# and tools swap them), named here by their ids; an entry holds the tables it was made from, so
+# no other object takes one of those ids while it is kept.
+MAX_PLANS = 4096
+_plans: dict[tuple, tuple] = {}
+
+
+def _memo_plan(make, table_of, tables: tuple, one_token_segments: bool, max_rank: int,
+               shape: tuple) -> _Plan:
+    """`make(table_of(one_token_segments, max_rank), *shape)`, made once per `tables` (the
+    kernel's tables, as `table_of` reads them) and shape."""
+    key = (make, one_token_segments, max_rank, *map(id, tables), *shape)
+    held = _plans.get(key)
+    if held is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        held = _plans[key] = (make(table_of(one_token_segments, max_rank), *shape), tables)
+    return held[0]
 
 
 def _bound_tiles(num_tokens: int, block_m: int, num_segments: int) -> int:

@@ -22,6 +22,17 @@ class FakeCompiled:
         return runner
 
 
+class FakeLauncher(FakeCompiled):
+    """A compiled kernel as Triton's: also its launcher (`run`), loaded function and packed
+    metadata, which CachedLaunch calls directly while no launch hook is registered."""
+
+    function = 0xF00
+    packed_metadata = (4, 1, 0)
+
+    def run(self, *call):
+        self.log.append(("run", *call))
+
+
 class FakeKernel:
     """What CachedLaunch uses of a @triton.jit function: `arg_names` and `kernel[grid](...)`,
     which returns the compiled kernel."""
@@ -129,3 +140,56 @@ def test_the_cache_is_bounded(monkeypatch):
     assert len(cached._compiled) <= 3
     cached.run((6,), (x, 8), BLOCK=8, EVEN=True)
     assert kinds(kernel.log)[-1] == "compiled"
+
+
+def test_compiled_launchers_are_called_directly_with_the_current_stream(monkeypatch):
+    pytest.importorskip("triton.knobs")
+    kernel = FakeKernel()
+    kernel.compiled = FakeLauncher(kernel.log)
+    monkeypatch.setattr(launch, "current_stream", lambda: 77)
+    cached = CachedLaunch(kernel)
+    plan = Plan((4,), {"EVEN": True, "BLOCK": 64, "num_warps": 4})
+    x = torch.zeros(32)
+    for _ in range(2):
+        cached(plan, (x, 32))
+    assert kinds(kernel.log) == ["dispatch", "run"]
+    # grid, stream, function, metadata, no launch metadata nor hooks, args, constants
+    assert kernel.log[1][1:] == (4, 1, 1, 77, 0xF00, (4, 1, 0), None, None, None, x, 32, 64, True)
+
+
+def test_a_registered_launch_hook_sends_launches_through_triton(monkeypatch):
+    knobs = pytest.importorskip("triton.knobs")
+    kernel = FakeKernel()
+    kernel.compiled = FakeLauncher(kernel.log)
+    monkeypatch.setattr(launch, "current_stream", lambda: 77)
+    cached = CachedLaunch(kernel)
+    x = torch.zeros(16)
+    cached.run((2,), (x, 16), BLOCK=32, EVEN=False)
+    record = []
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # Triton's chain of hooks
+        hook.add(record.append)
+    else:
+        knobs.runtime.launch_enter_hook = record.append
+    try:
+        cached.run((2,), (x, 16), BLOCK=32, EVEN=False)  # a profiler listening: through Triton
+    finally:
+        if hasattr(hook, "remove"):
+            hook.remove(record.append)
+        else:
+            knobs.runtime.launch_enter_hook = hook
+    cached.run((2,), (x, 16), BLOCK=32, EVEN=False)
+    assert kinds(kernel.log) == ["dispatch", "compiled", "run"]
+
+
+@pytest.mark.parametrize("values", [(1, 1), (1, 17), (16, 32), (2**31, 8), (8, 2**31 - 1)])
+def test_the_key_tells_apart_what_triton_specializes_integers_on(values):
+    kernel = FakeKernel()
+    cached = CachedLaunch(kernel)
+    plan = Plan((1,), {"BLOCK": 8, "EVEN": True})
+    x = torch.zeros(8)
+    cached(plan, (x, values[0]))
+    cached(plan, (x, values[1]))
+    same = (values[0] == 1) == (values[1] == 1) and (values[0] % 16 == 0) == (
+        values[1] % 16 == 0) and (values[0] < 2**31) == (values[1] < 2**31)
+    assert kinds(kernel.log) == ["dispatch", "compiled" if same else "dispatch"]

@@ -649,6 +649,33 @@ class TestLaunchers:
         assert e_swapped.constants["BLOCK_M"] == expand[0][1].block_m
         assert e_swapped.constants != e_default.constants
 
+    def test_launch_plans_are_made_once_per_shape_and_tables_in_force(self, monkeypatch):
+        # An eager step launches each kernel once per layer with the same shapes: the plan is
+        # made once, and again when a table is swapped.
+        monkeypatch.setattr(sgmv_triton, "_plans", {})
+        made = []
+        real = sgmv_triton._shrink_plan
+
+        def counting(*args):
+            made.append(args[1:])
+            return real(*args)
+
+        monkeypatch.setattr(sgmv_triton, "_shrink_plan", counting)
+        x = torch.randn(8, 64)
+        a = torch.randn(4, 3 * 16, 64)
+        batch = batch_from_tables([0], [8], [1], [0, 16, 16, 16], [1.0] * 4)
+        first = [sgmv_triton.triton_shrink(x, a, batch, 3) for _ in range(3)]
+        assert len(made) == 1
+        torch.testing.assert_close(first[1], first[0])
+        shrink, _ = small_tiles()
+        monkeypatch.setattr(sgmv_triton, "SHRINK_TABLE", shrink)
+        monkeypatch.setattr(sgmv_triton, "SHRINK_ONE_TOKEN_TABLE", ())
+        monkeypatch.setattr(sgmv_triton, "SHRINK_NARROW_RANK_TABLE", ())
+        sgmv_triton.triton_shrink(x, a, batch, 3)
+        assert len(made) == 2  # the swapped tables' plan
+        ((key, (plan, tables)),) = [e for e in sgmv_triton._plans.items() if e[1][1][0] is shrink]
+        assert plan.constants["BLOCK_M"] == shrink[0][1].block_m and id(shrink) in key
+
     def test_narrow_rank_pools_take_one_row_of_a_down_items_over_16_warps(self):
         # Pools of max rank 8 and below, 2-8 tokens, every batch: the down projection's items
         # one row of A each, the 4,096-wide groups' two, over 16 warps; a single token, more
