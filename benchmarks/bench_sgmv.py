@@ -732,9 +732,9 @@ def residency(args: argparse.Namespace) -> None:
         "layer on the same weights (L2-resident) in the same run; resident_over_rotating = the "
         "layer's resident time / its rotating time (1.0: the weights' reads cost nothing); a "
         "layer's weights past the L2's size (l2_MB) cannot stay resident",
-        ["phase", "tokens", "adapters", "ranks", "weights_MB", "layer_rotating_us", "layer_resident_us",
-         "resident_over_rotating", "shrinks_rotating_us", "shrinks_resident_us",
-         "expands_rotating_us", "expands_resident_us"],
+        ["phase", "tokens", "adapters", "ranks", "weights_MB", "layer_rotating_us",
+         "layer_resident_us", "resident_over_rotating", "shrinks_rotating_us",
+         "shrinks_resident_us", "expands_rotating_us", "expands_resident_us"],
         rows,
         {"l2_MB": torch.cuda.get_device_properties(device).L2_cache_size / 1e6},
     )

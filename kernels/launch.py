@@ -128,10 +128,11 @@ def current_stream() -> int:
 
 
 def _specialization_key(head, args: tuple) -> tuple:
-    """`head` and what Triton specializes each argument on, flattened into one tuple: a tensor's dtype and whether its address is 16-byte aligned; an integer's
-    equality to 1, divisibility by 16 and 32-bit range; nothing for a float. An argument's kind
-    is fixed by its position in a kernel's signature, so the flat entries cannot run together.
-    Inlined: an eager step builds one per launch."""
+    """`head` and what Triton specializes each argument on, flattened into one tuple: a
+    tensor's dtype and whether its address is 16-byte aligned; an integer's equality to 1,
+    divisibility by 16 and 32-bit range; nothing for a float. An argument's kind is fixed by its
+    position in a kernel's signature, so the flat entries cannot run together. One loop, no call
+    per argument: an eager step builds a key for every launch."""
     key = [head]
     for a in args:
         if isinstance(a, int):
