@@ -110,3 +110,34 @@ def test_timeline_records_every_program_in_order_and_changes_no_result(num_token
         if prev_end is not None:
             assert min(p[2] for p in stamped) >= prev_end, f"launch {launch} waited early"
         prev_end = max(p[3] for p in programs)
+
+
+def test_timeline_of_a_register_capped_row_changes_no_result():
+    """A row with a register cap (a rank-64 pool's shrink over segments of several tokens) is
+    traced without it, since the timestamps need registers: the same outputs bit for bit, and
+    every program of every launch stamped."""
+    device = torch.device("cuda")
+    if not hopper():
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    from kernels import sgmv_triton
+    from kernels.sgmv_tuning import pick
+
+    rank, tokens = sgmv_triton.WIDE_RANK, 8
+    assert pick(sgmv_triton._shrink_table(False, rank), tokens).max_registers is not None
+    g = torch.Generator(device=device).manual_seed(2)
+    weights = [
+        (torch.randn(2, 3 * rank, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8,
+         torch.randn(2, rank, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16) / 4)
+        for _ in range(2)
+    ]
+    batch = sgmv_batch([tokens], [1], (0, rank), (1.0, 0.5), device)
+    x = torch.randn(tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
+    plain = chain(x, weights, batch)
+    timeline = sgmv_triton.Timeline(2 * len(weights), 4096, device)
+    with sgmv_triton.record_timeline(timeline):
+        traced = chain(x, weights, batch)
+    torch.cuda.synchronize()
+    assert torch.equal(traced, plain)
+    records = timeline.records.tolist()
+    for launch, grid in enumerate(timeline.grids):
+        assert all(p[0] > 0 and p[3] >= p[0] for p in records[launch][:grid]), f"launch {launch}"
