@@ -686,9 +686,7 @@ def triton_shrink(
         return x.new_empty(num_tokens, num_cols)
 
     device, num_slots = x.device, batch.slot_ranks.shape[0]
-    tables = (SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_WIDE_RANK_TABLE,
-              SHRINK_WIDE_RANK_ONE_TOKEN_TABLE, SHRINK_NARROW_RANK_TABLE)
-    plan = _memo_plan(_shrink_plan, _shrink_table, tables, batch.one_token_segments, max_rank,
+    plan = _memo_plan(_shrink_plan, _shrink_tables(), batch.one_token_segments, max_rank,
                       (num_tokens, hidden, num_cols, max_rank, num_segments, num_slots,
                        _unrolled(x), _num_sms(device), _pdl_enabled(device)))
     splits = (plan.split_k, num_tokens, num_cols)
@@ -739,9 +737,7 @@ def triton_expand(
         return
 
     device, num_slots = y.device, batch.slot_ranks.shape[0]
-    tables = (EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE, EXPAND_WIDE_RANK_TABLE,
-              EXPAND_WIDE_RANK_ONE_TOKEN_TABLE, EXPAND_NARROW_RANK_TABLE)
-    plan = _memo_plan(_expand_plan, _expand_table, tables, batch.one_token_segments, max_rank,
+    plan = _memo_plan(_expand_plan, _expand_tables(), batch.one_token_segments, max_rank,
                       (num_tokens, tuple(out_offsets), max_rank, num_segments, num_slots,
                        _unrolled(y), _num_sms(device), _pdl_enabled(device),
                        h.shape[0] if partials else 1))
@@ -770,16 +766,23 @@ def _rows(general: tuple, one_token: tuple, wide_rank: tuple, wide_rank_one_toke
     return rows + (wide_rank if wide else ()) + general
 
 
+def _shrink_tables() -> tuple:
+    """The shrink's tables as the module holds them now, in `_rows`'s order."""
+    return (SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_WIDE_RANK_TABLE,
+            SHRINK_WIDE_RANK_ONE_TOKEN_TABLE, SHRINK_NARROW_RANK_TABLE)
+
+
+def _expand_tables() -> tuple:
+    return (EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE, EXPAND_WIDE_RANK_TABLE,
+            EXPAND_WIDE_RANK_ONE_TOKEN_TABLE, EXPAND_NARROW_RANK_TABLE)
+
+
 def _shrink_table(one_token_segments: bool, max_rank: int) -> tuple:
-    return _rows(SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_WIDE_RANK_TABLE,
-                 SHRINK_WIDE_RANK_ONE_TOKEN_TABLE, SHRINK_NARROW_RANK_TABLE,
-                 one_token_segments, max_rank)
+    return _rows(*_shrink_tables(), one_token_segments, max_rank)
 
 
 def _expand_table(one_token_segments: bool, max_rank: int) -> tuple:
-    return _rows(EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE, EXPAND_WIDE_RANK_TABLE,
-                 EXPAND_WIDE_RANK_ONE_TOKEN_TABLE, EXPAND_NARROW_RANK_TABLE,
-                 one_token_segments, max_rank)
+    return _rows(*_expand_tables(), one_token_segments, max_rank)
 
 
 TABLES = {"shrink": _shrink_table, "expand": _expand_table}
@@ -813,9 +816,7 @@ class _Plan:
 
 
 # Plans are pure functions of the tuning table (a tuple of frozen rows, swapped by tests and the
-# sweep) and a few integers: an eager step launches each kernel once per layer with the same
-# shapes, so the tiling choice and the block arithmetic are done once per shape.
-@functools.lru_cache(maxsize=4096)
+# sweep) and a few integers; launches take them through `_memo_plan`, once per shape.
 def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_rank: int,
                  num_segments: int, num_slots: int, float32: bool, num_sms: int,
                  pdl: bool = False) -> _Plan:
@@ -851,7 +852,6 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
     return _Plan(grid, constants, split_k, num_locks)
 
 
-@functools.lru_cache(maxsize=4096)
 def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
                  max_rank: int, num_segments: int, num_slots: int, float32: bool,
                  num_sms: int, pdl: bool = False, h_splits: int = 1) -> _Plan:
@@ -878,25 +878,26 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
     return _Plan((min(programs, num_sms * t.programs_per_sm),), constants)
 
 
-# Plans by the tables they come from. `_shrink_plan` and `_expand_plan` are keyed by a whole table
-# of tuning rows, whose hash (every field of every row) cost about 4 us of a host-bound eager
-# step's launch on an H100's host. The tables are the module's at the time of the launch (tests
-# and tools swap them), named here by their ids; an entry holds the tables it was made from, so
-# no other object takes one of those ids while it is kept.
+# Plans by the tables they come from: an eager step launches each kernel once per layer with the
+# same shapes. Keyed by the tables' ids, not their rows: hashing every field of every row (an
+# `lru_cache` on the plan makers) cost about 4 us of a host-bound eager launch on an H100's host.
+# The tables are the module's at the time of the launch (tests and tools swap them); an entry
+# holds the tables it was made from, so no other object takes one of those ids while it is kept.
 MAX_PLANS = 4096
 _plans: dict[tuple, tuple] = {}
 
 
-def _memo_plan(make, table_of, tables: tuple, one_token_segments: bool, max_rank: int,
+def _memo_plan(make, tables: tuple, one_token_segments: bool, max_rank: int,
                shape: tuple) -> _Plan:
-    """`make(table_of(one_token_segments, max_rank), *shape)`, made once per `tables` (the
-    kernel's tables, as `table_of` reads them) and shape."""
+    """`make(rows, *shape)` for the rows `_rows` picks from a kernel's `tables` (as
+    `_shrink_tables()` gives them), made once per tables and shape."""
     key = (make, one_token_segments, max_rank, *map(id, tables), *shape)
     held = _plans.get(key)
     if held is None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
-        held = _plans[key] = (make(table_of(one_token_segments, max_rank), *shape), tables)
+        rows = _rows(*tables, one_token_segments, max_rank)
+        held = _plans[key] = (make(rows, *shape), tables)
     return held[0]
 
 
