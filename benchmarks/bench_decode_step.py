@@ -20,7 +20,7 @@ from kernels.layer_ops import get_layer_ops
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.kv_cache import blocks_for
 from replicas.lora import LORA_GROUPS, LoraWeightPool
-from replicas.model_runner import FlatStep
+from replicas.flat_step import FlatStep
 from replicas.models.llama import StepContext
 from replicas.models.spec import ModelSpec, RopeSpec
 from replicas.models.weights import random_model

@@ -21,7 +21,6 @@ def next_pow2(n: int) -> int:
 
 
 MAX_CACHED_LAUNCHES = 4096
-CACHED_LAUNCHES = True  # off: every launch goes through Triton's dispatch (benchmarks compare)
 
 
 class CachedLaunch:
@@ -45,23 +44,24 @@ class CachedLaunch:
         self._compiled: dict[tuple, tuple] = {}
         self.fast_launches = 0  # for tests: launches that skipped the dispatch
 
-    def __call__(self, plan, args: tuple, **extra) -> None:
+    def __call__(self, plan, args: tuple, cached: bool = True, **extra) -> None:
         """Launch over `plan.grid` with the runtime `args` and `plan.constants` (the constants
         and launch options), plus `extra` constants, which must follow from the arguments'
-        specialization (a dtype's precision, say). Plans are cached objects: keyed by identity."""
+        specialization (a dtype's precision, say). Plans are memoized objects: keyed by identity.
+        `cached` False: through Triton's dispatch every time (benchmarks compare)."""
         key = _specialization_key(id(plan), args)
-        entry = self._compiled.get(key) if CACHED_LAUNCHES else None
+        entry = self._compiled.get(key) if cached else None
         if entry is not None and entry[0] is plan:  # the plan held here keeps its id unique
             entry[1](args)
             self.fast_launches += 1
             return
         self._launch(key, plan, plan.grid, args, {**plan.constants, **extra})
 
-    def run(self, grid: tuple[int, ...], args: tuple, **constants) -> None:
+    def run(self, grid: tuple[int, ...], args: tuple, cached: bool = True, **constants) -> None:
         """Launch over `grid` with the runtime `args` and `constants` (a few small values: they
-        are part of the key)."""
+        are part of the key); `cached` as for a call."""
         key = _specialization_key((grid, *constants.items()), args)
-        entry = self._compiled.get(key) if CACHED_LAUNCHES else None
+        entry = self._compiled.get(key) if cached else None
         if entry is not None:
             entry[1](args)
             self.fast_launches += 1

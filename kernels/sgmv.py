@@ -13,21 +13,19 @@ each rank index is one contiguous row over the group's output columns, so an ada
 is r whole rows), with R = max_lora_rank; rows past an adapter's true rank are zero, so any
 backend may ignore them.
 
-h is [T, n*R] in x's dtype, or its float32 partial sums [S, T, n*R] over S chunks of the hidden
-dimension (h = their sum over the first dimension): a backend's shrink may return either, and
-every expand accepts both, so the last step of the shrink's sum may move into the expand.
-
-Backends implement `shrink` and `expand` with the signatures of the torch reference below and
-register themselves in `BACKENDS`; `SgmvOps.apply` (the delta of one group) is expand of shrink.
+h is [T, n*R] in x's dtype. Backends subclass `SgmvBackend` (`shrink` and `expand` with the
+signatures of the torch reference below; `apply`, the delta of one group, is expand of shrink) and
+register a constructor taking the tuning (kernels/sgmv_tuning.py) in `BACKENDS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
+
+from kernels.sgmv_tuning import DEFAULT_TUNING, SgmvTuning
 
 
 @dataclass(frozen=True)
@@ -99,10 +97,7 @@ def torch_expand(
     y: torch.Tensor,
     out_offsets: tuple[int, ...],
 ) -> None:
-    """h: [T, n*R], or its float32 partial sums [S, T, n*R]; b: [num_slots, R, sum(out_i)];
-    y: [T, sum(out_i)] updated in place."""
-    if h.dim() == 3:  # partial sums: h is their sum, in y's dtype as a shrink would store it
-        h = h.sum(dim=0, dtype=torch.float32).to(y.dtype)
+    """h: [T, n*R]; b: [num_slots, R, sum(out_i)]; y: [T, sum(out_i)] updated in place."""
     num_slices = len(out_offsets) - 1
     max_rank = b.shape[1]
     assert h.shape[1] == num_slices * max_rank and y.shape[1] == out_offsets[-1]
@@ -115,36 +110,51 @@ def torch_expand(
             y[s:e, o0:o1] += scale * (hs @ b[slot, :r, o0:o1])
 
 
-ShrinkFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, int], torch.Tensor]
-ExpandFn = Callable[[torch.Tensor, torch.Tensor, SgmvBatch, torch.Tensor, tuple[int, ...]], None]
+class SgmvBackend:
+    """A backend: `shrink` returns h, `expand` adds its delta to y, with the signatures of the
+    torch reference above. Backends register a constructor taking the tuning in `BACKENDS`."""
 
+    def shrink(self, x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch,
+               num_slices: int) -> torch.Tensor:
+        raise NotImplementedError
 
-class SgmvOps(NamedTuple):
-    """A backend: `shrink` returns h or its partial sums, which `expand` of any backend takes."""
+    def expand(self, h: torch.Tensor, b: torch.Tensor, batch: SgmvBatch, y: torch.Tensor,
+               out_offsets: tuple[int, ...]) -> None:
+        raise NotImplementedError
 
-    shrink: ShrinkFn
-    expand: ExpandFn
-
-    def apply(
-        self,
-        x: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        batch: SgmvBatch,
-        y: torch.Tensor,
-        out_offsets: tuple[int, ...],
-    ) -> None:
+    def apply(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: SgmvBatch,
+              y: torch.Tensor, out_offsets: tuple[int, ...]) -> None:
         """y += the LoRA delta of one group: x [T, in]; a [num_slots, n*R, in]; b [num_slots, R,
         sum(out_i)]. A shrink, then an expand."""
         self.expand(self.shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
 
+    def graph_variants(self, num_tokens: int, max_rank: int) -> tuple[bool, ...]:
+        """The `SgmvBatch.one_token_segments` values a CUDA graph of `num_tokens` tokens in a pool
+        of `max_rank` must be captured for: (True,) where one graph serves every batch, (True,
+        False) where batches whose every segment is one token launch other kernels."""
+        return (True,)
 
-BACKENDS: dict[str, SgmvOps] = {"torch": SgmvOps(torch_shrink, torch_expand)}
+
+class TorchSgmv(SgmvBackend):
+    """The pure-torch reference as a backend (no tuning)."""
+
+    def __init__(self, tuning: SgmvTuning | None = None) -> None:
+        del tuning
+
+    def shrink(self, x, a, batch, num_slices):
+        return torch_shrink(x, a, batch, num_slices)
+
+    def expand(self, h, b, batch, y, out_offsets):
+        torch_expand(h, b, batch, y, out_offsets)
 
 
-def get_backend(name: str) -> SgmvOps:
+BACKENDS: dict[str, Callable[[SgmvTuning], SgmvBackend]] = {"torch": TorchSgmv}
+
+
+def get_backend(name: str, tuning: SgmvTuning = DEFAULT_TUNING) -> SgmvBackend:
+    """The backend `name` under `tuning` (the Triton kernels' rows and launch switches)."""
     if name == "triton" and name not in BACKENDS:
         import kernels.sgmv_triton  # noqa: F401  (registers itself; needs triton)
     if name not in BACKENDS:
         raise ValueError(f"unknown SGMV backend {name!r}; known: {sorted(BACKENDS)}")
-    return BACKENDS[name]
+    return BACKENDS[name](tuning)

@@ -18,26 +18,24 @@ split order and writes h. The counter only elects the reducer: the sum is the sa
 sum whichever split finishes last, so results are deterministic and no atomic touches a value.
 The reducer resets its counter to 0, so counters are zero between launches.
 
-Where the expand sums the partials (`ShrinkTiling.expand_sums`, one-token tiles), no split
-reduces: each item is one hidden chunk (its block of A read before `gdc_wait`, only its chunk
-of x after), stores its float32 partial and is done, and the partials [S, T, n*R] are the
-shrink's result, with no counter, reducer or second round trip between kernels. Column blocks
-with no live column write no partial (the expand reads none of them). With one chunk over the
-whole hidden size the mode is the plain path, writing h.
-
 Expand, y[t, o_i + c] += scale * h[t, i*R : i*R + rank] . B[slot, :rank, o_i + c]: a work item
 is (tile, column block); column blocks never cross a slice boundary, so slices of different
 widths (GQA q/k/v) are one launch. B is rank-major: each rank step reads whole rows of the
 block's columns, and rows past the slot's true rank are not read, so an item's bytes follow the
 slot's rank. Each y element is read, updated and written by exactly one program:
-deterministic, no atomics. Given the shrink's partials instead of h, each h value the expand
-reads is the sum of its S partials, loaded together and added in split order (deterministic).
+deterministic, no atomics.
 
-A tile of one token (every decode segment) takes matrix-vector products in one dimension; a tile
-of several takes 16-row tile products (`tl.dot`) over narrower steps. The choice is made per tile
-on the device, so one launch serves both, and the tuning row sizes each path (kernels/
-sgmv_tuning.py). On Hopper both kernels are launched with programmatic dependent launch (see
-`PDL` below).
+A tile of one token (every decode segment) takes matrix-vector products; a tile of several takes
+16-row tile products (`tl.dot`). The choice is made per tile on the device, so one launch serves
+both; the tuning row (kernels/sgmv_tuning.py) sizes each path.
+
+Programmatic dependent launch (Hopper and later, `SgmvTuning.pdl`): a kernel may start while the
+one before it on the stream still runs. Each SGMV kernel lets the next one start at once
+(`gdc_launch_dependents`), reads only what no earlier kernel writes (the segment table, slot ranks
+and scalings, adapter weights) before `gdc_wait`, which returns once the kernel before has finished
+and its writes are visible, and every program waits before it ends, so a kernel never finishes
+before the one it follows. Adapter weights are written on the load stream, ordered before the step
+by events. The overlap hides the launch, the metadata round trip and the first weight read.
 
 Rows of h for tokens outside every segment are unspecified (never written); the expand never
 reads them and never touches those rows of y. Inputs are float32, float16 or bfloat16;
@@ -46,7 +44,6 @@ accumulation is float32.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -54,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (see `_pdl_enabled`)
+try:  # programmatic dependent launch
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     _HAVE_GDC = True
@@ -70,22 +67,8 @@ except ImportError:  # an older Triton: never launched with PDL, so these are ne
         pass
 
 from kernels.launch import CachedLaunch, cdiv, next_pow2
-from kernels.sgmv import BACKENDS, SgmvBatch, SgmvOps
-from kernels.sgmv_tuning import (
-    EXPAND_NARROW_RANK_TABLE,
-    EXPAND_ONE_TOKEN_TABLE,
-    EXPAND_TABLE,
-    EXPAND_WIDE_RANK_ONE_TOKEN_TABLE,
-    EXPAND_WIDE_RANK_TABLE,
-    NARROW_RANK,
-    SHRINK_NARROW_RANK_TABLE,
-    SHRINK_ONE_TOKEN_TABLE,
-    SHRINK_TABLE,
-    SHRINK_WIDE_RANK_ONE_TOKEN_TABLE,
-    SHRINK_WIDE_RANK_TABLE,
-    WIDE_RANK,
-    pick,
-)
+from kernels.sgmv import BACKENDS, SgmvBackend, SgmvBatch
+from kernels.sgmv_tuning import DEFAULT_TUNING, SgmvTuning
 
 MAX_SLICES = 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -99,13 +82,8 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def _segment_table(
-    seg_indptr_ptr,
-    seg_slots_ptr,
-    num_segments,
-    BLOCK_S: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
+def _segment_table(seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
     """Per segment [BLOCK_S]: start, end, slot, tiles and the inclusive prefix sum of tiles.
     Loaded once per program, so finding a tile's segment later costs no memory access."""
     s = tl.arange(0, BLOCK_S)
@@ -118,28 +96,16 @@ def _segment_table(
 
 
 @triton.jit
-def _locate_item(i, starts, ends, slots, counts, counts_incl):
-    """Item i among per-segment item counts (inclusive prefix sum `counts_incl`): its segment's
-    first row, end row and slot, and the item's index within the segment."""
-    owner = (counts_incl > i) & (counts_incl - counts <= i)  # one segment; empty ones never match
+def _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M: tl.constexpr):
+    """Tile j's first row, its segment's end row, and the segment's slot."""
+    owner = (tiles_incl > j) & (tiles_incl - tiles <= j)  # one segment; empty ones never match
     start, end, slot, before = tl.reduce(
-        (
-            tl.where(owner, starts, 0),
-            tl.where(owner, ends, 0),
-            tl.where(owner, slots, 0),
-            tl.where(owner, counts_incl - counts, 0),
-        ),
+        (tl.where(owner, starts, 0), tl.where(owner, ends, 0), tl.where(owner, slots, 0),
+         tl.where(owner, tiles_incl - tiles, 0)),
         0,
         _add4,
     )
-    return start, end, slot, i - before
-
-
-@triton.jit
-def _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M: tl.constexpr):
-    """Tile j's first row, its segment's end row, and the segment's slot."""
-    start, end, slot, local = _locate_item(j, starts, ends, slots, tiles, tiles_incl)
-    return start + local * BLOCK_M, end, slot
+    return start + (j - before) * BLOCK_M, end, slot
 
 
 @triton.jit
@@ -160,9 +126,8 @@ def _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_N: tl.constex
 
 @triton.jit
 def _product(u, v, acc, PRECISION: tl.constexpr):
-    """acc [M, N] + u [M, K] @ v [N, K]^T in float32. Tensor cores need M >= 16; a tiling with
-    smaller token tiles (block_m < 16, one or a few decode tokens) gets matrix-vector products
-    instead, with no rows wasted on padding."""
+    """acc [M, N] + u [M, K] @ v [N, K]^T in float32. Tensor cores need M >= 16; one token
+    (M = 1) takes a matrix-vector product instead, with no rows wasted on padding."""
     if u.shape[0] >= 16:
         return tl.dot(u, tl.trans(v), acc, input_precision=PRECISION)
     if u.shape[0] == 1:  # two dimensions: u's row broadcasts over v's rows
@@ -176,52 +141,6 @@ def _product_kn(u, v, acc, PRECISION: tl.constexpr):
     if u.shape[0] >= 16:
         return tl.dot(u, v, acc, input_precision=PRECISION)
     return acc + tl.sum(u.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-
-
-@triton.jit
-def _settle(v, sink_ptr, SETTLE: tl.constexpr):
-    """Under SETTLE, this thread's loads of the weight block `v` [rank step, columns] land before
-    it goes on to `gdc_wait`: a store that needs every loaded value to decide whether it happens,
-    and happens only for a NaN weight, into a scratch buffer no one reads (`_sink`). The max runs
-    over the rank, which one-token tiles hold within each thread. Why it shortens the chain of
-    dependent kernels is not known; that it does was timed (`ExpandTiling.settle_weights`)."""
-    if SETTLE:
-        m = tl.max(v.to(tl.float32), axis=0)
-        tl.store(sink_ptr + tl.arange(0, v.shape[1]) % SINK_SIZE, m, mask=m != m)
-
-
-# A program's timeline record (`record_timeline`): the global timer (ns) at its start, once its
-# last item is located, once that item's `gdc_wait` returned, at its end; and its SM.
-TIMELINE_FIELDS = tl.constexpr(5)
-_START = tl.constexpr(0)
-_LOCATED = tl.constexpr(1)
-_WAITED = tl.constexpr(2)
-_END = tl.constexpr(3)
-_SM = tl.constexpr(4)
-
-
-@triton.jit
-def _stamp(record_ptr, FIELD: tl.constexpr, after, TRACE: tl.constexpr):
-    """Under TRACE, the global timer into this program's record once `after` (a scalar) is known;
-    the timer read is volatile, so it also stays after the waits and stores before it."""
-    if TRACE:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after],
-                                      dtype=tl.int64, is_pure=False, pack=1)
-        tl.store(record_ptr + FIELD, t)
-
-
-@triton.jit
-def _record_ptr(trace_ptr, TRACE: tl.constexpr):
-    """This program's timeline record in its launch's row; under TRACE, stamps its start and its
-    SM."""
-    pid = tl.program_id(0)
-    record = trace_ptr + pid * TIMELINE_FIELDS
-    if TRACE:
-        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [pid],
-                                       dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(record + _SM, sm.to(tl.int64))
-    _stamp(record, _START, pid, TRACE)
-    return record
 
 
 @triton.jit
@@ -250,11 +169,10 @@ def _shrink_acc(x_ptrs, a_ptrs, row_mask, a_mask, acc, k_lo, k_hi, K,
 def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride_xt,
                   stride_as, stride_ar, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
-                  WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
-    """h[row, cols] (or its split-K partial: the float32 sum over hidden [k_lo, k_hi)) for one
-    token: a matrix-vector product over x's row, BLOCK_K at a time; columns outside `col_live`
-    read nothing. With PRELOAD_A the range is one step, and its A block is read before
-    `gdc_wait`."""
+                  WEIGHT_EVICT: tl.constexpr):
+    """h[row, cols] (or its split-K partial over hidden [k_lo, k_hi)) for one token: a
+    matrix-vector product over x's row, BLOCK_K at a time; columns outside `col_live` read
+    nothing. With PRELOAD_A the range is one step, and its A block is read before `gdc_wait`."""
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_k[None, :]  # [N, K]
     x_row = x_ptr + row * stride_xt + offs_k[None, :]  # [1, K]
@@ -264,13 +182,11 @@ def _shrink_token(x_ptr, a_ptr, row, slot, cols, col_live, k_lo, k_hi, K, stride
         av = tl.load(a_rows + k_lo, mask=col_live[:, None] & k_in[None, :], other=0.0,
                      eviction_policy=WEIGHT_EVICT)
         gdc_wait()
-        _stamp(record, _WAITED, k_lo, TRACE)
         xv = tl.load(x_row + k_lo, mask=k_in[None, :], other=0.0)
         acc = _product(xv, av, acc, PRECISION)
     else:
         if PDL:
             gdc_wait()
-            _stamp(record, _WAITED, k_lo, TRACE)
         acc = _shrink_acc(x_row, a_rows, tl.arange(0, 1) < 1, col_live, acc, k_lo, k_hi, K,
                           BLOCK_K, EVEN_K, PRECISION, WEIGHT_EVICT)
     return acc
@@ -281,15 +197,12 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
                  cb, ks, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
                  MAX_RANK: tl.constexpr, NUM_COLS: tl.constexpr, NUM_CB: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
-                 EXPAND_SUMS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr, PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record,
-                 TRACE: tl.constexpr):
+                 K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
+                 WEIGHT_EVICT: tl.constexpr):
     """Work item (tile j, column block cb, K split ks): h for the tile's rows and the block's
-    columns; with split-K, this split's partial, and the sum of all if it arrives last (under
-    EXPAND_SUMS the partial alone: the expand sums them)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = (first_row + offs_m).to(tl.int64)
+    columns; with split-K, this split's partial, and the sum of all if it arrives last."""
+    rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < end_row
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_in = cols < NUM_COLS
@@ -301,23 +214,18 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
         k_lo = ks * K_PER_SPLIT
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # A tile of one token (decode) takes matrix-vector products over x's row alone,
-        # BLOCK_K at a time; a tile of several takes tile products, TILE_K at a time (its
-        # operands cost BLOCK_M times the registers). Decided per tile at run time.
-        if BLOCK_M > 1 and end_row - first_row > 1:
+        if BLOCK_M > 1 and end_row - first_row > 1:  # several tokens: tile products
             if PDL:
                 gdc_wait()
-                _stamp(record, _WAITED, k_lo, TRACE)
-            offs_tk = tl.arange(0, TILE_K)
-            a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_tk[None, :]
-            x_tile = x_ptr + rows[:, None] * stride_xt + offs_tk[None, :]
-            acc = _shrink_acc(x_tile, a_rows, row_mask, col_live, acc, k_lo, k_hi, K, TILE_K,
+            offs_k = tl.arange(0, BLOCK_K)
+            a_rows = a_ptr + slot * stride_as + cols[:, None] * stride_ar + offs_k[None, :]
+            x_tile = x_ptr + rows[:, None] * stride_xt + offs_k[None, :]
+            acc = _shrink_acc(x_tile, a_rows, row_mask, col_live, acc, k_lo, k_hi, K, BLOCK_K,
                               EVEN_K, PRECISION, WEIGHT_EVICT)
         else:
             acc += _shrink_token(x_ptr, a_ptr, first_row.to(tl.int64), slot, cols, col_live,
                                  k_lo, k_hi, K, stride_xt, stride_as, stride_ar, BLOCK_K,
-                                 EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record,
-                                 TRACE)
+                                 EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT)
 
         if SPLIT_K == 1:
             tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
@@ -325,73 +233,32 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
             part_rows = rows[:, None] * NUM_COLS + cols[None, :]
             split_stride = num_tokens * NUM_COLS
             tl.store(part_ptr + ks * split_stride + part_rows, acc, mask=out_mask)
-            if not EXPAND_SUMS:  # elect a reducer: the split that arrives last
-                # Every thread's partial is stored before the (release) arrival is counted.
+            # Every thread's partial is stored before the (release) arrival is counted.
+            tl.debug_barrier()
+            lock = lock_ptr + j * NUM_CB + cb
+            arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # last split: sum all partials in split order
                 tl.debug_barrier()
-                lock = lock_ptr + j * NUM_CB + cb
-                arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT_K - 1:  # last split: sum all partials in split order
-                    tl.debug_barrier()
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT_K):  # unrolled: every load in flight at once
-                        total += tl.load(
-                            part_ptr + s * split_stride + part_rows,
-                            mask=out_mask,
-                            other=0.0,
-                            cache_modifier=".cg",  # from L2: other SMs wrote these
-                        )
-                    tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
-                    tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-    elif not EXPAND_SUMS:  # (partials: the expand reads no column past the rank, none written)
-        if ks == 0:  # every column past the slot's rank: zeros, no weights read
-            if PDL:
-                gdc_wait()
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
-            tl.store(h_ptrs, zeros, mask=out_mask)
-
-
-@triton.jit
-def _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, starts, ends,
-                       slots, slot_ids, slot_ranks, num_tokens, K, stride_xt, stride_as,
-                       stride_ar, stride_ht, MAX_RANK: tl.constexpr, NUM_COLS: tl.constexpr,
-                       NUM_CB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       TILE_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                       PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
-                       WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
-    """The shrink over one-token tiles without split-K, with items only for the column blocks
-    below each slot's rank: a token of rank r has ceil(r / BLOCK_N) blocks in each slice (BLOCK_N
-    divides MAX_RANK), so in a pool of a wide max rank a low-rank token no longer leaves most of
-    its items empty, and the programs' strides over the items meet only real reads. h's columns
-    at or past a slot's rank are left unwritten: the expand reads none of them."""
-    num_slices: tl.constexpr = NUM_COLS // MAX_RANK
-    per_slice: tl.constexpr = MAX_RANK // BLOCK_N
-    # per segment: its slot's rank, a gather from the slot table, which no kernel before this
-    # one writes (read before `gdc_wait`; segments past the count have no tokens)
-    seg_live = (tl.load(slot_ranks_ptr + slots) + BLOCK_N - 1) // BLOCK_N * num_slices
-    seg_items = seg_live * (ends - starts)
-    items_incl = tl.cumsum(seg_items, axis=0)
-    num_items = tl.sum(seg_items, axis=0)
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        start, _, slot, local = _locate_item(item, starts, ends, slots, seg_items, items_incl)
-        rank = _slot_value(slot, slot_ids, slot_ranks)
-        _stamp(record, _LOCATED, rank, TRACE)
-        live = (rank + BLOCK_N - 1) // BLOCK_N  # column blocks per slice
-        row = start + local // (live * num_slices)
-        block = local % (live * num_slices)
-        cb = block // live * per_slice + block % live
-        _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, row, row + 1, slot.to(tl.int64),
-                     rank, 0, cb, 0, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
-                     MAX_RANK, NUM_COLS, NUM_CB, 1, BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, 1,
-                     False, EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record, TRACE)
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # unrolled: every load in flight at once
+                    total += tl.load(part_ptr + s * split_stride + part_rows, mask=out_mask,
+                                     other=0.0, cache_modifier=".cg")  # other SMs wrote these
+                tl.store(h_ptrs, total.to(h_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+    elif ks == 0:  # every column past the slot's rank: zeros, no weights read
+        if PDL:
+            gdc_wait()
+        tl.store(h_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 @triton.jit
 def _sgmv_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [num_slots, NUM_COLS, K]
-    h_ptr,  # [T, NUM_COLS] (unused under EXPAND_SUMS: the partials are the result)
+    h_ptr,  # [T, NUM_COLS]
     part_ptr,  # [SPLIT_K, T, NUM_COLS] float32 (split-K partials)
-    lock_ptr,  # [>= bound_tiles * NUM_CB] int32, zero between launches (unused: EXPAND_SUMS)
+    lock_ptr,  # [>= bound_tiles * NUM_CB] int32, zero between launches
     seg_indptr_ptr,
     seg_slots_ptr,
     slot_ranks_ptr,
@@ -403,7 +270,6 @@ def _sgmv_shrink_kernel(
     stride_as,
     stride_ar,
     stride_ht,
-    trace_ptr,  # int64 timeline records of this launch under TRACE (`record_timeline`)
     MAX_RANK: tl.constexpr,
     NUM_COLS: tl.constexpr,
     NUM_CB: tl.constexpr,
@@ -412,20 +278,15 @@ def _sgmv_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TILE_K: tl.constexpr,  # hidden step of tiles of several tokens; divides BLOCK_K
     K_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
-    LIVE_ITEMS: tl.constexpr = False,  # one-token tiles: items only below the slot's rank
-    EXPAND_SUMS: tl.constexpr = False,  # split-K partials are the result: no counter, no reducer
-    WEIGHT_EVICT: tl.constexpr = "",  # A's loads: "evict_first" streams it past the caches
-    TRACE: tl.constexpr = False,  # per-program timestamps (diagnostics)
+    WEIGHT_EVICT: tl.constexpr,  # A's loads: "evict_first" streams it past the caches
 ):
-    record = _record_ptr(trace_ptr, TRACE)
-    if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
+    if PDL:  # the next kernel may start its own prologue now
         gdc_launch_dependents()
     starts, ends, slots, tiles, tiles_incl = _segment_table(
         seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S, BLOCK_M
@@ -435,30 +296,21 @@ def _sgmv_shrink_kernel(
     # Under PDL the previous kernel may still be running: x, h, the partials and the counters
     # are its to write or read until `gdc_wait`, which every item path calls before touching
     # them (after reading its A block, where the item is one hidden step).
-    if LIVE_ITEMS:
-        _shrink_live_items(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, slot_ranks_ptr, starts,
-                           ends, slots, slot_ids, slot_ranks, num_tokens, K, stride_xt,
-                           stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_N,
-                           BLOCK_K, TILE_K, K_PER_SPLIT, EVEN_K, PRECISION, PDL, PRELOAD_A,
-                           WEIGHT_EVICT, record, TRACE)
-    else:
-        num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
-        for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-            ks = item % SPLIT_K
-            cb = (item // SPLIT_K) % NUM_CB
-            j = item // (SPLIT_K * NUM_CB)
-            first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl,
-                                                    BLOCK_M)
-            rank = _slot_value(slot, slot_ids, slot_ranks)
-            _stamp(record, _LOCATED, rank, TRACE)
-            _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
-                         slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt,
-                         stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M,
-                         BLOCK_N, BLOCK_K, TILE_K, K_PER_SPLIT, SPLIT_K, EXPAND_SUMS, EVEN_K,
-                         PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT, record, TRACE)
+    num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        ks = item % SPLIT_K
+        cb = (item // SPLIT_K) % NUM_CB
+        j = item // (SPLIT_K * NUM_CB)
+        first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl,
+                                                BLOCK_M)
+        rank = _slot_value(slot, slot_ids, slot_ranks)
+        _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
+                     slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt, stride_as,
+                     stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M, BLOCK_N,
+                     BLOCK_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL, PRELOAD_A,
+                     WEIGHT_EVICT)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
-    _stamp(record, _END, tl.program_id(0), TRACE)
 
 
 @triton.jit
@@ -471,107 +323,68 @@ def _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT: tl.constex
 
 
 @triton.jit
-def _load_h(ptrs, mask, stride_hs, H_SPLITS: tl.constexpr):
-    """h at `ptrs`; from the shrink's float32 partials (H_SPLITS > 1, `stride_hs` apart), their
-    sum in split order: unrolled, so every load is in flight at once, and deterministic."""
-    hv = tl.load(ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, H_SPLITS):
-        hv += tl.load(ptrs + s * stride_hs, mask=mask, other=0.0)
-    return hv
-
-
-@triton.jit
 def _expand_tile(first_row, end_row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr,
-                 stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr,
-                 H_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                 WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
-    """y[tile rows, cols] += scale * h[rows, slice ranks] . B[:rank, cols]. `h_ptrs` points at
-    the slice's first rank column of h (of its first partial), `b_slot` at the slot's B ([R,
-    out], rank-major). The first rank step's B rows are read before the wait; the steps after
-    it, up to the slot's rank, one at a time (a slot of a lower rank than the pool's reads fewer
-    rows). Summed partials round to B's dtype before the tile product, as the shrink stores h."""
+                 stride_ht, stride_br, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
+    """y[tile rows, cols] += scale * h[rows, slice ranks] . B[:rank, cols] in tile products.
+    `h_ptrs` points at the slice's first rank column of h, `b_slot` at the slot's B ([R, out],
+    rank-major). The first rank step's B rows are read before the wait; the steps after it, up
+    to the slot's rank, one at a time."""
     offs_r = tl.arange(0, BLOCK_R)
     rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < end_row
     y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
     y_mask = row_mask[:, None] & col_mask[None, :]
-    r_in = offs_r < rank
     bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)  # [R step, N]
     if PDL:
         gdc_wait()
-        _stamp(record, _WAITED, rank, TRACE)
     yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    hv = _load_h(h_ptrs + rows[:, None] * stride_ht + offs_r[None, :],
-                 row_mask[:, None] & r_in[None, :], stride_hs, H_SPLITS)
+    hv = tl.load(h_ptrs + rows[:, None] * stride_ht + offs_r[None, :],
+                 mask=row_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
     acc = _product_kn(hv.to(bv.dtype), bv, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
                       PRECISION)
     if MULTI_R:  # the pool's max rank spans several steps (compiled only then: registers)
         for r0 in range(BLOCK_R, rank, BLOCK_R):
             r = r0 + offs_r
-            r_in = r < rank
             bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)
-            hv = _load_h(h_ptrs + rows[:, None] * stride_ht + r[None, :],
-                         row_mask[:, None] & r_in[None, :], stride_hs, H_SPLITS)
+            hv = tl.load(h_ptrs + rows[:, None] * stride_ht + r[None, :],
+                         mask=row_mask[:, None] & (r < rank)[None, :], other=0.0)
             acc = _product_kn(hv.to(bv.dtype), bv, acc, PRECISION)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
-def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, sink_ptr, stride_ht,
-                  stride_hs, stride_br, stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  MULTI_R: tl.constexpr, H_SPLITS: tl.constexpr, PDL: tl.constexpr,
-                  WEIGHT_EVICT: tl.constexpr, SETTLE: tl.constexpr, record,
-                  TRACE: tl.constexpr):
-    """`_expand_tile` for a tile of one token (decode): a matrix-vector product in one dimension,
-    y[row, cols] += scale * h[row, :rank] . B[:rank, cols], summed over the rank step's rows. A
-    16-row tile would carry 15 dead rows through the product, the layout changes and the
-    epilogue, and hold 16 times the registers."""
+def _expand_token(row, cols, col_mask, rank, scale, h_ptrs, b_slot, y_ptr, stride_ht,
+                  stride_br, stride_yt, BLOCK_R: tl.constexpr, MULTI_R: tl.constexpr,
+                  PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
+    """`_expand_tile` for a tile of one token (decode): y[row, cols] += scale * h[row, :rank] .
+    B[:rank, cols], a matrix-vector product summed over each rank step's rows. A 16-row tile
+    would carry 15 dead rows and hold 16 times the registers."""
     offs_r = tl.arange(0, BLOCK_R)
     y_ptrs = y_ptr + row * stride_yt + cols
-    r_in = offs_r < rank
     bv = _b_rows(b_slot, offs_r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)  # [R step, N]
     if PDL:
-        _settle(bv, sink_ptr, SETTLE)
         gdc_wait()
-        _stamp(record, _WAITED, rank, TRACE)
     yv = tl.load(y_ptrs, mask=col_mask, other=0.0)
-    hv = _load_h(h_ptrs + row * stride_ht + offs_r, r_in, stride_hs, H_SPLITS)
+    hv = tl.load(h_ptrs + row * stride_ht + offs_r, mask=offs_r < rank, other=0.0)
     acc = tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     if MULTI_R:
         for r0 in range(BLOCK_R, rank, BLOCK_R):
             r = r0 + offs_r
-            r_in = r < rank
             bv = _b_rows(b_slot, r, rank, cols, col_mask, stride_br, WEIGHT_EVICT)
-            hv = _load_h(h_ptrs + row * stride_ht + r, r_in, stride_hs, H_SPLITS)
+            hv = tl.load(h_ptrs + row * stride_ht + r, mask=r < rank, other=0.0)
             acc += tl.sum(bv.to(tl.float32) * hv.to(tl.float32)[:, None], axis=0)
     out = yv.to(tl.float32) + scale * acc
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
-def _expand_subtiles(first_row, end_row, col0, col_end, rank, scale, h_ptrs, b_slot, y_ptr,
-                     stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                     MULTI_R: tl.constexpr, H_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                     PDL: tl.constexpr, WEIGHT_EVICT: tl.constexpr, record, TRACE: tl.constexpr):
-    """A tile's block of columns in tile products over TILE_N columns at a time (the first
-    waits for the kernel before)."""
-    for sub in tl.static_range(BLOCK_N // TILE_N):
-        sub_cols = col0 + sub * TILE_N + tl.arange(0, TILE_N)
-        _expand_tile(first_row, end_row, sub_cols, sub_cols < col_end, rank, scale, h_ptrs,
-                     b_slot, y_ptr, stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M, TILE_N,
-                     BLOCK_R, MULTI_R, H_SPLITS, PRECISION, PDL and sub == 0, WEIGHT_EVICT,
-                     record, TRACE)
-
-
-@triton.jit
 def _sgmv_expand_kernel(
-    h_ptr,  # [T, NUM_SLICES * MAX_RANK], or float32 partials [H_SPLITS, T, NUM_SLICES * MAX_RANK]
+    h_ptr,  # [T, NUM_SLICES * MAX_RANK]
     b_ptr,  # [num_slots, MAX_RANK, O_4] (rank-major)
     y_ptr,  # [T, O_4]
-    sink_ptr,  # [SINK_SIZE] float32 scratch (`_settle`)
     seg_indptr_ptr,
     seg_slots_ptr,
     slot_ranks_ptr,
@@ -579,11 +392,9 @@ def _sgmv_expand_kernel(
     num_segments,
     num_slots,
     stride_ht,
-    stride_hs,  # between partials (H_SPLITS > 1)
     stride_bs,
     stride_br,
     stride_yt,
-    trace_ptr,  # int64 timeline records of this launch under TRACE (`record_timeline`)
     MAX_RANK: tl.constexpr,
     O_1: tl.constexpr,  # slice i owns output columns [O_i, O_{i+1}); O_0 = 0
     O_2: tl.constexpr,  # slices past NUM_SLICES have O_i = the total width (empty)
@@ -599,17 +410,11 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     MULTI_R: tl.constexpr,  # the max rank spans several rank steps
-    H_SPLITS: tl.constexpr,  # h as partial sums to add up (`expand_sums` shrinks); 1: h itself
-    TILE_N: tl.constexpr,  # columns per tile product (tiles of several tokens); divides BLOCK_N
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    WEIGHT_EVICT: tl.constexpr = "",  # B's loads: "evict_first" streams it past the caches
-    SETTLE: tl.constexpr = False,  # one-token tiles' B block lands before `gdc_wait` (`_settle`)
-    TOKEN_PRODUCTS: tl.constexpr = True,  # one-token tiles: matrix-vector products (else tiles')
-    TRACE: tl.constexpr = False,  # per-program timestamps (diagnostics)
+    WEIGHT_EVICT: tl.constexpr,  # B's loads: "evict_first" streams it past the caches
 ):
-    record = _record_ptr(trace_ptr, TRACE)
-    if PDL:  # the next kernel may start its own prologue now (see `_pdl_enabled`)
+    if PDL:  # the next kernel may start its own prologue now
         gdc_launch_dependents()
     starts, ends, slots, tiles, tiles_incl = _segment_table(
         seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S, BLOCK_M
@@ -626,182 +431,26 @@ def _sgmv_expand_kernel(
         j = item // NUM_NB
         first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M)
         rank = _slot_value(slot, slot_ids, slot_ranks)
-        _stamp(record, _LOCATED, rank, TRACE)
         if rank > 0:
             scale = _slot_value(slot, slot_ids, slot_scales)
             sl, col0, col_end = _slice_columns(nb, O_1, O_2, O_3, O_4, NB_1, NB_2, NB_3, BLOCK_N)
             b_slot = b_ptr + slot.to(tl.int64) * stride_bs
             h_ptrs = h_ptr + (sl * MAX_RANK).to(tl.int64)
-            # A tile of one token (decode) takes a matrix-vector product over the whole block; a
-            # tile of several takes tile products over TILE_N columns at a time. Decided per
-            # tile at run time, so a batch of both kinds gets both (without TOKEN_PRODUCTS,
-            # every tile takes tile products, and only they are compiled).
-            if BLOCK_M == 1:
-                tile_products = False
-            elif TOKEN_PRODUCTS:
-                tile_products = end_row - first_row > 1
+            cols = col0 + tl.arange(0, BLOCK_N)
+            if BLOCK_M > 1 and end_row - first_row > 1:  # several tokens: tile products
+                _expand_tile(first_row, end_row, cols, cols < col_end, rank, scale, h_ptrs,
+                             b_slot, y_ptr, stride_ht, stride_br, stride_yt, BLOCK_M, BLOCK_N,
+                             BLOCK_R, MULTI_R, PRECISION, PDL, WEIGHT_EVICT)
             else:
-                tile_products = True
-            if tile_products:
-                _expand_subtiles(first_row, end_row, col0, col_end, rank, scale, h_ptrs, b_slot,
-                                 y_ptr, stride_ht, stride_hs, stride_br, stride_yt, BLOCK_M,
-                                 BLOCK_N, TILE_N, BLOCK_R, MULTI_R, H_SPLITS, PRECISION, PDL,
-                                 WEIGHT_EVICT, record, TRACE)
-            else:
-                cols = col0 + tl.arange(0, BLOCK_N)
                 _expand_token(first_row.to(tl.int64), cols, cols < col_end, rank, scale, h_ptrs,
-                              b_slot, y_ptr, sink_ptr, stride_ht, stride_hs, stride_br,
-                              stride_yt, BLOCK_N, BLOCK_R, MULTI_R, H_SPLITS, PDL, WEIGHT_EVICT,
-                              SETTLE, record, TRACE)
+                              b_slot, y_ptr, stride_ht, stride_br, stride_yt, BLOCK_R, MULTI_R,
+                              PDL, WEIGHT_EVICT)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
-    _stamp(record, _END, tl.program_id(0), TRACE)
-
-
-# Eager steps launch each kernel once per layer with the same plan: skip Triton's dispatch.
-_SHRINK = CachedLaunch(_sgmv_shrink_kernel)
-_EXPAND = CachedLaunch(_sgmv_expand_kernel)
-
-
-def triton_shrink(
-    x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
-) -> torch.Tensor:
-    """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] in x's dtype (base-model rows
-    unspecified; the columns at or past a token's slot rank zeros, or unspecified under a
-    `live_items` row: the expand reads none of them). Under an `expand_sums` row whose chunk is
-    narrower than `in`: h's float32 partial sums [S, T, n*R] over the S chunks of the hidden
-    dimension instead, for `triton_expand` to add up (unspecified where h is, and in whole
-    column blocks past a slot's rank)."""
-    num_tokens, hidden = x.shape
-    num_cols = a.shape[1]
-    assert a.dim() == 3 and a.shape[2] == hidden, f"a {tuple(a.shape)} vs x {tuple(x.shape)}"
-    assert num_slices >= 1 and num_cols % num_slices == 0
-    max_rank = num_cols // num_slices
-    assert x.dtype == a.dtype and x.dtype in DTYPES, f"{x.dtype} / {a.dtype}"
-    assert x.stride(1) == 1 and a.stride(2) == 1, "the hidden dimension must be contiguous"
-    _check_batch(batch, num_tokens, x.device)
-
-    num_segments = batch.num_segments
-    if num_segments == 0:
-        return x.new_empty(num_tokens, num_cols)
-
-    device, num_slots = x.device, batch.slot_ranks.shape[0]
-    plan = _memo_plan(_shrink_plan, _shrink_tables(), batch.one_token_segments, max_rank,
-                      (num_tokens, hidden, num_cols, max_rank, num_segments, num_slots,
-                       _unrolled(x), _num_sms(device), _pdl_enabled(device)))
-    splits = (plan.split_k, num_tokens, num_cols)
-    if plan.expand_sums:  # the partials are the result: no h written, no arrival counted
-        part = torch.empty(splits, dtype=torch.float32, device=device)
-        h, locks = part[0], batch.seg_slots  # unused by the kernel
-    elif plan.split_k > 1:
-        part = torch.empty(splits, dtype=torch.float32, device=device)
-        h, locks = x.new_empty(num_tokens, num_cols), _locks(device, plan.num_locks)
-    else:
-        h = x.new_empty(num_tokens, num_cols)
-        part, locks = h, batch.seg_slots  # unused by the kernel
-    _SHRINK(
-        plan,
-        (x, a, h, part, locks,
-         batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
-         num_segments, num_slots, num_tokens, hidden,
-         x.stride(0), a.stride(0), a.stride(1), h.stride(0), _trace_ptr(plan, device)),
-        PRECISION=_precision(x.dtype), **_trace_constants(),
-    )
-    return part if plan.expand_sums else h
-
-
-def triton_expand(
-    h: torch.Tensor,
-    b: torch.Tensor,
-    batch: SgmvBatch,
-    y: torch.Tensor,
-    out_offsets: tuple[int, ...],
-) -> None:
-    """h: [T, n*R] in y's dtype, or its float32 partial sums [S, T, n*R] (an `expand_sums`
-    shrink's result), added up in split order as they are read; b: [num_slots, R, sum(out_i)];
-    y: [T, sum(out_i)] updated in place."""
-    num_slices = len(out_offsets) - 1
-    num_tokens, width = y.shape
-    max_rank = b.shape[1]
-    assert 1 <= num_slices <= MAX_SLICES, f"{num_slices} slices (at most {MAX_SLICES})"
-    assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[2]
-    assert all(lo < hi for lo, hi in zip(out_offsets, out_offsets[1:], strict=False))
-    assert h.shape[-2:] == (num_tokens, num_slices * max_rank), f"h {tuple(h.shape)}"
-    partials = h.dim() == 3
-    assert h.dtype == (torch.float32 if partials else y.dtype), f"h {h.dtype}, y {y.dtype}"
-    assert b.dtype == y.dtype and y.dtype in DTYPES, f"{b.dtype}/{y.dtype}"
-    assert h.stride(-1) == 1 and b.stride(2) == 1 and y.stride(1) == 1, "last dims contiguous"
-    _check_batch(batch, num_tokens, y.device)
-    num_segments = batch.num_segments
-    if num_segments == 0:
-        return
-
-    device, num_slots = y.device, batch.slot_ranks.shape[0]
-    plan = _memo_plan(_expand_plan, _expand_tables(), batch.one_token_segments, max_rank,
-                      (num_tokens, tuple(out_offsets), max_rank, num_segments, num_slots,
-                       _unrolled(y), _num_sms(device), _pdl_enabled(device),
-                       h.shape[0] if partials else 1))
-    _EXPAND(
-        plan,
-        (h, b, y, _sink(device),
-         batch.seg_indptr, batch.seg_slots, batch.slot_ranks, batch.slot_scalings,
-         num_segments, num_slots,
-         h.stride(-2), h.stride(0) if partials else 0, b.stride(0), b.stride(1), y.stride(0),
-         _trace_ptr(plan, device)),
-        PRECISION=_precision(y.dtype), **_trace_constants(),
-    )
-
-
-def _rows(general: tuple, one_token: tuple, wide_rank: tuple, wide_rank_one_token: tuple,
-          narrow_rank: tuple, one_token_segments: bool, max_rank: int) -> tuple:
-    """A kernel's tuning rows for a batch: in pools of a max rank of at most NARROW_RANK, the
-    narrow-rank rows first; when every segment is one token, the one-token rows (in pools of a
-    max rank of at least WIDE_RANK, the wide-rank ones ahead of them); then, in such pools, the
-    wide-rank rows for every batch; then the general rows. A hint about speed only: every row
-    computes every batch."""
-    wide = max_rank >= WIDE_RANK
-    rows = narrow_rank if max_rank <= NARROW_RANK else ()
-    if one_token_segments:
-        rows += (wide_rank_one_token if wide else ()) + one_token
-    return rows + (wide_rank if wide else ()) + general
-
-
-def _shrink_tables() -> tuple:
-    """The shrink's tables as the module holds them now, in `_rows`'s order."""
-    return (SHRINK_TABLE, SHRINK_ONE_TOKEN_TABLE, SHRINK_WIDE_RANK_TABLE,
-            SHRINK_WIDE_RANK_ONE_TOKEN_TABLE, SHRINK_NARROW_RANK_TABLE)
-
-
-def _expand_tables() -> tuple:
-    return (EXPAND_TABLE, EXPAND_ONE_TOKEN_TABLE, EXPAND_WIDE_RANK_TABLE,
-            EXPAND_WIDE_RANK_ONE_TOKEN_TABLE, EXPAND_NARROW_RANK_TABLE)
-
-
-def _shrink_table(one_token_segments: bool, max_rank: int) -> tuple:
-    return _rows(*_shrink_tables(), one_token_segments, max_rank)
-
-
-def _expand_table(one_token_segments: bool, max_rank: int) -> tuple:
-    return _rows(*_expand_tables(), one_token_segments, max_rank)
-
-
-TABLES = {"shrink": _shrink_table, "expand": _expand_table}
-
-
-def kernel_variant_differs(kernel: str, num_tokens: int, max_rank: int) -> bool:
-    """Whether `kernel` ("shrink" or "expand") picks another tiling over `num_tokens` tokens in a
-    pool of `max_rank` when every segment is one token."""
-    table = TABLES[kernel]
-    return pick(table(True, max_rank), num_tokens) != pick(table(False, max_rank), num_tokens)
-
-
-def one_token_variant_differs(num_tokens: int, max_rank: int) -> bool:
-    """Whether either kernel does (a CUDA graph of that size then needs a variant for each)."""
-    return any(kernel_variant_differs(kernel, num_tokens, max_rank) for kernel in TABLES)
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """A launch's grid and compile-time constants, which depend on shapes alone."""
 
     grid: tuple[int]
@@ -809,24 +458,16 @@ class _Plan:
     split_k: int = 1
     num_locks: int = 0
 
-    @property
-    def expand_sums(self) -> bool:
-        """The shrink's result is its split_k partials, for the expand to sum."""
-        return self.constants.get("EXPAND_SUMS", False)
 
-
-# Plans are pure functions of the tuning table (a tuple of frozen rows, swapped by tests and the
-# sweep) and a few integers; launches take them through `_memo_plan`, once per shape.
-def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_rank: int,
-                 num_segments: int, num_slots: int, float32: bool, num_sms: int,
-                 pdl: bool = False) -> _Plan:
-    t = pick(table, num_tokens, float32=float32)
+# Plans are pure functions of the frozen tuning and a few integers, memoized by value.
+@functools.lru_cache(maxsize=4096)
+def shrink_plan(tuning: SgmvTuning, one_token_segments: bool, num_tokens: int, hidden: int,
+                num_cols: int, max_rank: int, num_segments: int, num_slots: int, float32: bool,
+                num_sms: int, pdl: bool) -> Plan:
+    t = tuning.shrink_tiling(num_tokens, one_token_segments, max_rank, float32)
     block_k = min(t.block_k, _pow2_at_least_16(hidden))
-    if t.expand_sums:  # an item takes its chunk in one step (several where float32 caps it)
-        block_k = min(block_k, t.k_per_split)
     k_per_split = cdiv(min(t.k_per_split, hidden), block_k) * block_k
     split_k = cdiv(hidden, k_per_split)
-    expand_sums = t.expand_sums and split_k > 1  # (one chunk: h, as without the mode)
     block_n = min(t.block_n, _pow2_at_least_16(num_cols))
     if t.max_a_block is not None:  # wide hidden sizes: fewer whole rows of A per item
         block_n = min(block_n, _pow2_at_most(max(1, t.max_a_block // k_per_split)))
@@ -838,29 +479,22 @@ def _shrink_plan(table: tuple, num_tokens: int, hidden: int, num_cols: int, max_
         NUM_CB=num_cb,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        TILE_K=block_k if t.tile_k is None else min(t.tile_k, block_k),
         K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k,
-        EXPAND_SUMS=expand_sums,
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
-        LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
     )
-    programs = (bound_tiles + t.spare_tiles) * num_cb * split_k
-    grid = (min(programs, num_sms * t.programs_per_sm),)
-    num_locks = bound_tiles * num_cb if split_k > 1 and not expand_sums else 0
-    return _Plan(grid, constants, split_k, num_locks)
+    grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
+    return Plan(grid, constants, split_k, bound_tiles * num_cb if split_k > 1 else 0)
 
 
-def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
-                 max_rank: int, num_segments: int, num_slots: int, float32: bool,
-                 num_sms: int, pdl: bool = False, h_splits: int = 1) -> _Plan:
-    """`h_splits`: h's partial sums (the leading dimension of an `expand_sums` shrink's result),
-    1 for h itself."""
-    t = pick(table, num_tokens, float32=float32)
-    block_r = min(t.block_r, max(1 if t.narrow_rank_steps else 16, next_pow2(max_rank)))
-    block_cap = t.block_n if t.max_tile is None else min(t.block_n, max(16, t.max_tile // block_r))
-    block_n, num_nb, slice_consts = _slice_blocks(out_offsets, block_cap)
+@functools.lru_cache(maxsize=4096)
+def expand_plan(tuning: SgmvTuning, one_token_segments: bool, num_tokens: int,
+                out_offsets: tuple[int, ...], max_rank: int, num_segments: int, num_slots: int,
+                float32: bool, num_sms: int, pdl: bool) -> Plan:
+    t = tuning.expand_tiling(num_tokens, one_token_segments, max_rank, float32)
+    block_r = min(t.block_r, max(16, next_pow2(max_rank)))
+    block_n, num_nb, slice_consts = _slice_blocks(out_offsets, t.block_n)
     bound_tiles = _bound_tiles(num_tokens, t.block_m, num_segments)
     constants = dict(
         _shared_constants(t, max_rank, num_segments, num_slots, pdl),
@@ -869,36 +503,8 @@ def _expand_plan(table: tuple, num_tokens: int, out_offsets: tuple[int, ...],
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         MULTI_R=max_rank > block_r,
-        H_SPLITS=h_splits,
-        TILE_N=block_n if t.tile_n is None else min(t.tile_n, block_n),
-        SETTLE=pdl and t.settle_weights,
-        TOKEN_PRODUCTS=t.token_products or t.block_m == 1,
     )
-    programs = (bound_tiles + t.spare_tiles) * num_nb
-    return _Plan((min(programs, num_sms * t.programs_per_sm),), constants)
-
-
-# Plans by the tables they come from: an eager step launches each kernel once per layer with the
-# same shapes. Keyed by the tables' ids, not their rows: hashing every field of every row (an
-# `lru_cache` on the plan makers) cost about 4 us of a host-bound eager launch on an H100's host.
-# The tables are the module's at the time of the launch (tests and tools swap them); an entry
-# holds the tables it was made from, so no other object takes one of those ids while it is kept.
-MAX_PLANS = 4096
-_plans: dict[tuple, tuple] = {}
-
-
-def _memo_plan(make, tables: tuple, one_token_segments: bool, max_rank: int,
-               shape: tuple) -> _Plan:
-    """`make(rows, *shape)` for the rows `_rows` picks from a kernel's `tables` (as
-    `_shrink_tables()` gives them), made once per tables and shape."""
-    key = (make, one_token_segments, max_rank, *map(id, tables), *shape)
-    held = _plans.get(key)
-    if held is None:
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        rows = _rows(*tables, one_token_segments, max_rank)
-        held = _plans[key] = (make(rows, *shape), tables)
-    return held[0]
+    return Plan((min(bound_tiles * num_nb, num_sms * t.programs_per_sm),), constants)
 
 
 def _bound_tiles(num_tokens: int, block_m: int, num_segments: int) -> int:
@@ -909,24 +515,10 @@ def _bound_tiles(num_tokens: int, block_m: int, num_segments: int) -> int:
     return (num_tokens + live * (block_m - 1)) // block_m
 
 
-# Spare tiles (`spare_tiles` of a tuning row): programs launched past the bound on the items, in
-# tiles' worth of items: each runs its prologue and waits on the kernel before, and finds no item.
-# Whole layers, graph replay, H100, 2026-11-25, us/layer for a grid of the bound plus 0 / 1 / (the
-# segment count: the bound this replaced) tiles: B = D = 64 rank 16 65.6 / 65.8 / 68.4, over ranks
-# 8-64 120.9 / 121.0 / 122.5, 8 over 8 rank-64 adapters 33.3 / 33.5 / 35.2; one token 9.69 / 9.25
-# / 9.25, 8 tokens over one adapter 12.40 / 11.69 / 11.69, 8 over 8 rank-16 adapters 13.48 / 13.31
-# / 12.93. Idle programs cost a chain of dependent launches time (`bench_launch_chain`: eight
-# minimal kernels 6.3 us at 132 programs each, 12.3 at 1,056), yet a grid that ends exactly at the
-# last item loses at the smallest batches; one spare tile keeps both, except where a tile is many
-# narrow column blocks (see the tuning rows).
-
-
 def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: bool) -> dict:
     """What both kernels' launches take alike: the segment and slot tables' widths, the token
-    tile, warps and stages, the weight loads' cache policy (a row that streams its weights marks
-    them first out of L1 and L2, so they do not push out the x, h and y rows that several items
-    of a token read), programmatic dependent launch (the `PDL` constant and Triton's
-    `launch_pdl` option travel together) and the row's register cap, if it sets one."""
+    tile, warps and stages, the weight loads' cache policy and programmatic dependent launch
+    (the `PDL` constant and Triton's `launch_pdl` option travel together)."""
     return dict(
         MAX_RANK=max_rank,
         BLOCK_S=_pow2_at_least_16(num_segments),
@@ -937,7 +529,6 @@ def _shared_constants(t, max_rank: int, num_segments: int, num_slots: int, pdl: 
         num_warps=t.num_warps,
         num_stages=t.num_stages,
         **({"launch_pdl": True} if pdl else {}),
-        **({"maxnreg": t.max_registers} if t.max_registers is not None else {}),
     )
 
 
@@ -958,17 +549,10 @@ def _slice_blocks(out_offsets: tuple[int, ...], block_cap: int) -> tuple[int, in
     return block, num_nb, consts
 
 
-def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> None:
-    """What a launch adds to SgmvBatch's own checks: the batch fits x and lives beside it."""
-    assert batch.num_tokens <= num_tokens, f"batch has {batch.num_tokens} tokens, x {num_tokens}"
-    assert batch.seg_indptr.device == device, "metadata must be on the kernel's device"
-
-
 def _slot_block(num_slots: int) -> int:
     """The slot table's width in registers. At least 64, so that pools of up to 64 slots share
-    their compiled kernels. When it followed the slot count, an engine with another
-    `max_loras_per_batch` compiled every SGMV variant again: in the churn benchmark on an H100,
-    a second 8-slot engine built in 6 s and a 32-slot one in 126 s, as long as the first."""
+    their compiled kernels (an engine with another `max_loras_per_batch` would otherwise compile
+    every variant again: 126 s for a 32-slot engine on an H100)."""
     return max(64, next_pow2(num_slots))
 
 
@@ -997,20 +581,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while
-# the kernel before it on the stream is still running. Each SGMV kernel lets the next one start
-# at once (`gdc_launch_dependents`), reads only what no earlier kernel writes (the segment table,
-# the slot ranks and scalings, adapter weights) before `gdc_wait`, which returns when the kernel
-# before has finished and its writes are visible, and every program waits before it ends, so a
-# kernel never finishes before the one it follows. The overlap hides the launch, the metadata
-# round trip and the first weight read behind the previous kernel: most of a small batch's time.
-# Adapter weights are written on the load stream, ordered before the step by events; the
-# ordering is the stream's, which PDL keeps for everything but the kernel just before.
-PDL = True  # off: plain launches (the benchmark measures both)
-
-
 @functools.cache
-def _pdl_supported(device: torch.device) -> bool:
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or later, and a Triton with `launch_pdl`."""
     if not _HAVE_GDC or device.type != "cuda" or torch.version.hip is not None:
         return False
     if torch.cuda.get_device_capability(device)[0] < 9:  # griddepcontrol: Hopper and later
@@ -1020,77 +593,6 @@ def _pdl_supported(device: torch.device) -> bool:
     except ImportError:
         return False
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-def _pdl_enabled(device: torch.device) -> bool:
-    return PDL and _pdl_supported(device)
-
-
-SINK_SIZE = tl.constexpr(1024)
-_sinks: dict[torch.device, torch.Tensor] = {}
-
-
-def _sink(device: torch.device) -> torch.Tensor:
-    """`_settle`'s scratch buffer on a device, kept for the process (captured graphs hold its
-    address). Written only where a weight is NaN; read by no one."""
-    sink = _sinks.get(device)
-    if sink is None:
-        sink = _sinks[device] = torch.empty(int(SINK_SIZE), dtype=torch.float32, device=device)
-    return sink
-
-
-class Timeline:
-    """Per-program timestamps of the SGMV launches made while it records (`record_timeline`):
-    `records[launch, program]` holds the global timer (ns) at the program's start, once its last
-    item was located, once that item's `gdc_wait` returned and at its end, then its SM id (0
-    where a program had no item, or for programs past the launch's grid). Launches take rows in
-    order; a CUDA graph captured while recording replays into the same rows."""
-
-    def __init__(self, launches: int, programs: int, device: torch.device) -> None:
-        programs += programs % 2  # each row 16-byte aligned, as the kernels are compiled for
-        self.records = torch.zeros(launches, programs, int(TIMELINE_FIELDS), dtype=torch.int64,
-                                   device=device)
-        self.grids: list[int] = []  # programs of each launch, in row order
-
-    def take_row(self, programs: int) -> int:
-        rows, width = self.records.shape[:2]
-        if len(self.grids) >= rows or programs > width:
-            raise RuntimeError(f"timeline holds {rows} launches of {width} programs")
-        self.grids.append(programs)
-        return len(self.grids) - 1
-
-
-_timeline: Timeline | None = None
-
-
-@contextlib.contextmanager
-def record_timeline(timeline: Timeline):
-    """Launches inside the block record into `timeline` (diagnostics: `bench_sgmv_timeline`).
-    Their kernels are compiled with the timestamps, apart from the ones used otherwise, and
-    without the rows' register caps."""
-    global _timeline
-    previous, _timeline = _timeline, timeline
-    try:
-        yield timeline
-    finally:
-        _timeline = previous
-
-
-def _trace_constants() -> dict:
-    """TRACE while a timeline records, and then no register cap: the timestamps need registers a
-    row's cap (`max_registers`) leaves the untraced kernel without (8 tokens over one rank-64
-    adapter: the traced down shrink spilled and took its layer from 18 to 79 us)."""
-    if _timeline is None:
-        return {"TRACE": False}
-    return {"TRACE": True, "maxnreg": None}
-
-
-def _trace_ptr(plan: _Plan, device: torch.device) -> torch.Tensor:
-    """The kernels' trace_ptr: the recording timeline's next row, or a placeholder they never
-    touch."""
-    if _timeline is None:
-        return _sink(device)
-    return _timeline.records[_timeline.take_row(plan.grid[0])]
 
 
 _lock_buffers: dict[torch.device, list[torch.Tensor]] = {}
@@ -1110,4 +612,90 @@ def _locks(device: torch.device, needed: int) -> torch.Tensor:
     return buffers[-1]
 
 
-BACKENDS["triton"] = SgmvOps(triton_shrink, triton_expand)
+# Eager steps launch each kernel once per layer with the same plan: skip Triton's dispatch.
+_SHRINK = CachedLaunch(_sgmv_shrink_kernel)
+_EXPAND = CachedLaunch(_sgmv_expand_kernel)
+
+
+class TritonSgmv(SgmvBackend):
+    """The Triton kernels under one frozen tuning (rows, PDL, cached launches)."""
+
+    def __init__(self, tuning: SgmvTuning = DEFAULT_TUNING) -> None:
+        self.tuning = tuning
+
+    def shrink(self, x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch,
+               num_slices: int) -> torch.Tensor:
+        """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] in x's dtype (base-model rows
+        unspecified; the columns at or past a token's slot rank zeros)."""
+        num_tokens, hidden = x.shape
+        num_cols = a.shape[1]
+        assert a.dim() == 3 and a.shape[2] == hidden, f"a {tuple(a.shape)} vs x {tuple(x.shape)}"
+        assert num_slices >= 1 and num_cols % num_slices == 0
+        max_rank = num_cols // num_slices
+        assert x.dtype == a.dtype and x.dtype in DTYPES, f"{x.dtype} / {a.dtype}"
+        assert x.stride(1) == 1 and a.stride(2) == 1, "the hidden dimension must be contiguous"
+        _check_batch(batch, num_tokens, x.device)
+        h = x.new_empty(num_tokens, num_cols)
+        num_segments = batch.num_segments
+        if num_segments == 0:
+            return h
+        device, num_slots = x.device, batch.slot_ranks.shape[0]
+        plan = shrink_plan(self.tuning, batch.one_token_segments, num_tokens, hidden, num_cols,
+                           max_rank, num_segments, num_slots, _unrolled(x), _num_sms(device),
+                           self._pdl(device))
+        if plan.split_k > 1:
+            part = torch.empty(plan.split_k, num_tokens, num_cols, dtype=torch.float32,
+                               device=device)
+            locks = _locks(device, plan.num_locks)
+        else:
+            part, locks = h, batch.seg_slots  # unused by the kernel
+        _SHRINK(plan, (x, a, h, part, locks, batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
+                       num_segments, num_slots, num_tokens, hidden,
+                       x.stride(0), a.stride(0), a.stride(1), h.stride(0)),
+                self.tuning.cached_launches, PRECISION=_precision(x.dtype))
+        return h
+
+    def expand(self, h: torch.Tensor, b: torch.Tensor, batch: SgmvBatch, y: torch.Tensor,
+               out_offsets: tuple[int, ...]) -> None:
+        """h: [T, n*R] in y's dtype; b: [num_slots, R, sum(out_i)]; y: [T, sum(out_i)] updated
+        in place."""
+        num_slices = len(out_offsets) - 1
+        num_tokens, width = y.shape
+        max_rank = b.shape[1]
+        assert 1 <= num_slices <= MAX_SLICES, f"{num_slices} slices (at most {MAX_SLICES})"
+        assert out_offsets[0] == 0 and out_offsets[-1] == width == b.shape[2]
+        assert all(lo < hi for lo, hi in zip(out_offsets, out_offsets[1:], strict=False))
+        assert h.shape == (num_tokens, num_slices * max_rank), f"h {tuple(h.shape)}"
+        assert h.dtype == b.dtype == y.dtype and y.dtype in DTYPES, f"{h.dtype}/{b.dtype}/{y.dtype}"
+        assert h.stride(1) == 1 and b.stride(2) == 1 and y.stride(1) == 1, "last dims contiguous"
+        _check_batch(batch, num_tokens, y.device)
+        num_segments = batch.num_segments
+        if num_segments == 0:
+            return
+        device, num_slots = y.device, batch.slot_ranks.shape[0]
+        plan = expand_plan(self.tuning, batch.one_token_segments, num_tokens, tuple(out_offsets),
+                           max_rank, num_segments, num_slots, _unrolled(y), _num_sms(device),
+                           self._pdl(device))
+        _EXPAND(plan, (h, b, y, batch.seg_indptr, batch.seg_slots, batch.slot_ranks,
+                       batch.slot_scalings, num_segments, num_slots,
+                       h.stride(0), b.stride(0), b.stride(1), y.stride(0)),
+                self.tuning.cached_launches, PRECISION=_precision(y.dtype))
+
+    def graph_variants(self, num_tokens: int, max_rank: int) -> tuple[bool, ...]:
+        """Both `one_token_segments` values where the tuning picks other tilings for batches
+        whose every segment is one token, else one graph (True) for all."""
+        if self.tuning.one_token_variant_differs(num_tokens, max_rank):
+            return (True, False)
+        return (True,)
+
+    def _pdl(self, device: torch.device) -> bool:
+        return self.tuning.pdl and pdl_supported(device)
+
+
+def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> None:
+    """What a launch adds to SgmvBatch's own checks: the batch fits x and lives beside it."""
+    assert batch.num_tokens <= num_tokens, f"batch has {batch.num_tokens} tokens, x {num_tokens}"
+    assert batch.seg_indptr.device == device, "metadata must be on the kernel's device"
+
+
+BACKENDS["triton"] = TritonSgmv

@@ -17,18 +17,14 @@ device tensors and size their grids from static bounds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kernels.attention import AttentionBatch, AttentionFn
 from kernels.sgmv import SgmvBatch
+from replicas.flat_step import FlatStep
 from replicas.lora import LoraWeightPool
 from replicas.models.llama import LlamaModel, StepContext
 from replicas.staging import HostStaging
-
-if TYPE_CHECKING:
-    from replicas.model_runner import FlatStep
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # Token counts of graph-replayed prefill steps: a step runs as the smallest bucket that holds
@@ -171,7 +167,8 @@ class DecodeGraphs(_GraphedSteps):
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         # Per bucket, a graph for steps whose every LoRA segment is one token (decode over
         # distinct adapters) and, where the SGMV tilings differ for them, one for the rest.
-        self.variants = {b: _segment_variants(b, lora_pool.max_rank) for b in self.buckets}
+        self.variants = {b: lora_pool.sgmv.graph_variants(b, lora_pool.max_rank)
+                         for b in self.buckets}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
 
@@ -203,15 +200,6 @@ class DecodeGraphs(_GraphedSteps):
         key = (b, one_token or len(self.variants[b]) == 1)
         self.graphs[key].replay()
         return self.hidden[key][:n]
-
-
-def _segment_variants(num_tokens: int, max_rank: int) -> tuple[bool, ...]:
-    """The `one_token_segments` values a bucket needs a graph for: both where either SGMV kernel
-    picks another tiling when every segment is one token (in a pool of `max_rank`), else one
-    graph (True) for all."""
-    from kernels.sgmv_triton import one_token_variant_differs
-
-    return (True, False) if one_token_variant_differs(num_tokens, max_rank) else (True,)
 
 
 class PrefillGraphs(_GraphedSteps):

@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 from kernels.sgmv import SgmvBatch, get_backend
+from kernels.sgmv_tuning import DEFAULT_TUNING, SgmvTuning
 from replicas.adapters.host_threads import parallel
 from replicas.adapters.loader import AdapterFile, AdapterWeights
 from replicas.models.spec import ModelSpec
@@ -48,13 +49,15 @@ class LoraWeightPool:
         dtype: torch.dtype,
         device: torch.device,
         backend: str = "torch",
+        tuning: SgmvTuning = DEFAULT_TUNING,
     ) -> None:
         self.spec = spec
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
         self.backend = backend
-        self._ops = get_backend(backend)
+        self.tuning = tuning  # the SGMV kernels' block sizes and launch switches
+        self.sgmv = get_backend(backend, tuning)
         self.dtype = dtype
         # One buffer per layer, [num_slots, slot_elems]: a slot's weights for a layer are one
         # contiguous run: every group's A, then B of all groups as one [R, width] matrix, rank-major
@@ -264,7 +267,7 @@ class LoraWeightPool:
         """y [T, sum(out)] += LoRA delta of `group` for the tokens in `batch`'s segments."""
         if batch.empty:
             return
-        self._ops.apply(
+        self.sgmv.apply(
             x, self.a[layer][group], self.b[layer][group], batch, y, self.out_offsets[group]
         )
 

@@ -10,7 +10,6 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +17,7 @@ from kernels.attention import AttentionBatch, get_attention_backend
 from kernels.layer_ops import get_layer_ops
 from replicas.config import EngineConfig
 from replicas.cuda_graphs import DecodeGraphs, PrefillGraphs
+from replicas.flat_step import FlatStep
 from replicas.kv_cache import blocks_for
 from replicas.lora import LoraWeightPool
 from replicas.models.llama import StepContext
@@ -35,32 +35,6 @@ CPU_KV_CACHE_BYTES = 1 << 30
 # specializations (1, multiples of 16, others) and the largest step, so that kernels compile
 # before the first request instead of stalling it.
 WARM_UP_TOKENS = (2, 16, 17, 100, 128, 129, 300, 512, 513, 1000, 2048)
-
-
-@dataclass(frozen=True)
-class FlatStep:
-    """One step's tokens laid out flat: per token (`ids`, `positions`, `slot_mapping`: flat KV
-    cache index), per sequence (`q_starts` [B+1] offsets of its new tokens, `ctx_lens`,
-    `tables`: KV blocks) and per LoRA segment (`seg_lens`, `seg_slots`: adapter tokens first,
-    grouped by slot)."""
-
-    ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    q_starts: list[int]
-    ctx_lens: list[int]
-    tables: list[list[int]]
-    seg_lens: list[int]
-    seg_slots: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.ids)
-
-    def table_rows(self) -> list[list[int]]:
-        """Block tables padded with zeros to the longest: nothing reads past a context."""
-        width = max(len(t) for t in self.tables)
-        return [t + [0] * (width - len(t)) for t in self.tables]
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:

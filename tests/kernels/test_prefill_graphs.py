@@ -11,7 +11,8 @@ pytest.importorskip("triton")
 from replicas.adapters.loader import load_adapter  # noqa: E402
 from replicas.config import EngineConfig  # noqa: E402
 from replicas.cuda_graphs import PrefillGraphs  # noqa: E402
-from replicas.model_runner import FlatStep, ModelRunner  # noqa: E402
+from replicas.flat_step import FlatStep  # noqa: E402
+from replicas.model_runner import ModelRunner  # noqa: E402
 from replicas.models.spec import ModelSpec  # noqa: E402
 from tests.factories import make_adapter, make_model  # noqa: E402
 
