@@ -136,8 +136,7 @@ def step_split(timings) -> dict:
 
 def run(engine: Engine, requests) -> dict:
     start = time.monotonic()
-    engine.step_timings.clear()
-    steps, preemptions = engine.num_steps, engine.num_preemptions
+    before = engine.stats()
     pending = list(enumerate(requests))
     arrival, first, last, count, itl, waits = {}, {}, {}, {}, [], []
     added: list[Request] = []
@@ -181,7 +180,10 @@ def run(engine: Engine, requests) -> dict:
     # admission -> first token: the admitting step (and any chunked prefill), apart from queueing
     admit = [first[r.request_id] - r.admitted_at for r in added
              if r.request_id in first and r.admitted_at is not None]
-    stats = engine.adapters.stats
+    after = engine.stats()
+    reads = after.adapter_disk_reads - before.adapter_disk_reads
+    window = after.adapter_read_seconds
+    read_seconds = window[len(window) - min(reads, len(window)):]
     return {
         "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
         # arrival -> admission: TTFT less this is the admitting step and any chunked prefill
@@ -193,16 +195,15 @@ def run(engine: Engine, requests) -> dict:
         "e2e_p50_s": float(np.percentile(e2e, 50)),
         "throughput_tok_s": sum(count.values()) / elapsed,
         "adapter_wait_mean_ms": 1000 * statistics.fmean(waits) if waits else 0.0,
-        "gpu_loads": stats.gpu_loads,
-        "disk_reads": stats.disk_reads,
-        "disk_read_mean_ms": 1000 * statistics.fmean(stats.read_seconds)
-        if stats.read_seconds else 0.0,
-        "prefetch_loads": stats.prefetch_loads,
+        "gpu_loads": after.adapter_gpu_loads - before.adapter_gpu_loads,
+        "disk_reads": reads,
+        "disk_read_mean_ms": 1000 * statistics.fmean(read_seconds) if read_seconds else 0.0,
+        "prefetch_loads": after.adapter_prefetch_loads - before.adapter_prefetch_loads,
         "requests": len(first),
         # KV-cache pressure: requests sent back to wait and recomputed, and tokens per step
-        "preemptions": engine.num_preemptions - preemptions,
-        "tokens_per_step": sum(count.values()) / max(1, engine.num_steps - steps),
-        **step_split(engine.step_timings),
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "tokens_per_step": sum(count.values()) / max(1, after.num_steps - before.num_steps),
+        **step_split(engine.step_timings(since_step=before.num_steps)),
     }
 
 
@@ -226,8 +227,8 @@ def host_calls(prof, min_ms: float = 2.0, top: int = 25) -> str:
 
 def warm_up(engine: Engine, names: list[str], args) -> None:
     """Run every kernel shape the measured run will meet (a burst over all slots, then requests
-    one at a time), so that Triton's compilation stays out of the figures; then zero the
-    adapter counters."""
+    one at a time), so that Triton's compilation stays out of the figures (`run` counts only
+    what happens during it)."""
     rng = random.Random(args.seed + 1)
     burst = min(64, 4 * args.slots)
     lengths = [args.input_len[0], args.input_len[1], *(rng.randint(*args.input_len)
@@ -238,17 +239,12 @@ def warm_up(engine: Engine, names: list[str], args) -> None:
         for i, n in enumerate(lengths + lengths[:8])
     ]
     run(engine, requests)
-    stats = engine.adapters.stats
-    stats.gpu_loads = stats.prefetch_loads = stats.hits = stats.misses = stats.disk_reads = 0
-    stats.read_seconds.clear()
 
 
 def copy_bandwidth(engine: Engine, adapter: str) -> dict:
     """Host->GPU adapter write on the load stream vs a plain pinned copy of the same bytes."""
-    manager = engine.adapters
-    while not manager.prepare(adapter):
-        time.sleep(0.01)
-    weights = manager.host.peek(adapter)
+    engine.preload_adapter(adapter)
+    weights = engine.adapters.host.peek(adapter)
     pool = engine.runner.lora_pool
     stream = torch.cuda.Stream()
     slot = pool.num_slots - 1
@@ -456,12 +452,10 @@ def main() -> None:
         # With room for every adapter in host memory, all are read first: the run measures
         # slot churn alone. With less, disk reads are part of the churn.
         for name in names if host_cache >= args.num_adapters or mode == "resident" else []:
-            while not e.adapters.prepare(name):
-                time.sleep(0.005)
+            e.preload_adapter(name)
         if mode == "resident":
             for name in names:
-                e.adapters.acquire(name)
-                e.adapters.release(name)
+                e.preload_adapter(name, into_slot=True)
             if device == "cuda":
                 torch.cuda.synchronize()
         if copy is None and device == "cuda":
@@ -488,7 +482,7 @@ def main() -> None:
             print(f"{kind}/{mode} in {time.monotonic() - started:.1f} s:", row, flush=True)
             # after every run: a cut-off benchmark keeps what it measured
             save(args, rows, copy, e.runner.num_kv_blocks)
-        e.adapters.shutdown()
+        e.shutdown()
         del e
         gc.collect()
         if device == "cuda":

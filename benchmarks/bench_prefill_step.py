@@ -132,10 +132,7 @@ def main() -> None:
     rate = bandwidth = None
     if device == "cuda":
         rate, bandwidth = matmul_rate(), hbm_bandwidth()
-    while not engine.adapters.prepare("lora-0"):  # in its slot before any step is timed
-        time.sleep(0.01)
-    engine.adapters.acquire("lora-0")
-    engine.adapters.release("lora-0")
+    engine.preload_adapter("lora-0", into_slot=True)  # in its slot before any step is timed
     rng = random.Random(0)
     rows = []
     for tokens in sizes:

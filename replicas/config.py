@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from replicas.adapters.modes import LOADING_MODES
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -30,7 +32,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_loaded_loras: int = 64  # adapters kept in host memory
     max_loaded_lora_bytes: int | None = None  # and at most this many bytes of them
-    adapter_loading: str = "prefetch"  # "blocking", "overlap", "prefetch": adapters/manager.py
+    adapter_loading: str = "prefetch"  # "blocking", "overlap", "prefetch": adapters/modes.py
     eviction_policy: str = "lru"  # GPU slots: "lru" or "lfu" (adapters/slot_pool.py)
     pinned_adapters: tuple[str, ...] = ()  # never evicted from GPU slots or host memory
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path) known at start-up
@@ -65,7 +67,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
-        if self.adapter_loading not in ("blocking", "overlap", "prefetch"):
+        if self.adapter_loading not in LOADING_MODES:
             raise ValueError(f"unknown adapter_loading {self.adapter_loading!r}")
         if self.max_loaded_lora_bytes is not None and self.max_loaded_lora_bytes < 1:
             raise ValueError("max_loaded_lora_bytes must be positive")

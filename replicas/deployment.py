@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -350,18 +351,15 @@ def _push_routing_info(replica_id: Any, model_ids: list[str], stats: dict[str, A
 
 
 def _routing_stats(engine: Engine) -> dict[str, Any]:
-    tiers: dict[str, list[str]] = {"gpu": [], "loading": [], "host": []}
-    for name, status in engine.adapter_status().items():
-        tier = tiers.get(status["tier"])
-        if tier is not None and not status["unloading"]:
-            tier.append(name)
-    slots = engine.adapters.slots
+    stats = engine.routing_stats()
     return {
-        **tiers,
-        "num_slots": slots.num_slots,
-        "free_slots": slots.num_free,
-        "num_waiting": len(engine.scheduler.waiting),
-        "num_running": len(engine.scheduler.running),
+        "gpu": list(stats.gpu),
+        "loading": list(stats.loading),
+        "host": list(stats.host),
+        "num_slots": stats.num_slots,
+        "free_slots": stats.free_slots,
+        "num_waiting": stats.num_waiting,
+        "num_running": stats.num_running,
     }
 
 
@@ -378,28 +376,11 @@ async def _every(period_s: float, work: Callable[[], Awaitable[None]], what: str
 
 
 def _engine_stats(engine: Engine) -> dict:
-    stats = engine.adapters.stats
-    return {
-        "num_steps": engine.num_steps,
-        "num_preemptions": engine.num_preemptions,
-        "max_adapters_in_step": engine.max_adapters_in_step,
-        "adapter_disk_reads": stats.disk_reads,
-        "adapter_gpu_loads": stats.gpu_loads,
-        "adapter_prefetch_loads": stats.prefetch_loads,
-        "adapter_hits": stats.hits,
-        "adapter_misses": stats.misses,
-        "adapter_read_seconds": list(stats.read_seconds),
-        "resident_adapters": engine.adapters.slots.resident,
-        "num_free_kv_blocks": engine.blocks.num_free,
-        "num_kv_blocks": engine.blocks.num_blocks,
-        "num_running": len(engine.scheduler.running),
-        "num_waiting": len(engine.scheduler.waiting),
-    }
+    stats = asdict(engine.stats())
+    stats["adapter_read_seconds"] = list(stats["adapter_read_seconds"])
+    return stats
 
 
 def _served_adapters(engine: Engine) -> dict[str, Any]:
-    manager = engine.adapters
-    return {
-        "adapters": {name: str(path) for name, path in manager.paths.items()},
-        "unloaded": sorted(manager.unloaded),
-    }
+    served = engine.served_adapters()
+    return {"adapters": dict(served.adapters), "unloaded": list(served.unloaded)}

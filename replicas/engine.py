@@ -1,39 +1,31 @@
 """The engine: requests in, tokens out, one `step()` at a time. No threads, no Ray.
 
-step = schedule -> run the model -> postprocess (append tokens, finish requests)
+step = schedule -> run the model -> postprocess (append tokens, finish requests), with the
+adapter manager's per-step work before the schedule (`before_step`), around the run
+(`start_step`, `step_launched`, `poll_during_step`) and after it (`after_step`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from replicas.adapters.loader import AdapterError
 from replicas.adapters.manager import AdapterManager
+from replicas.adapters.registry import ServedAdapters
 from replicas.config import EngineConfig
+from replicas.engine_stats import EngineStats, RoutingStats, StepTiming
 from replicas.kv_cache import BlockAllocator
 from replicas.model_runner import ModelRunner
 from replicas.models.spec import ModelSpec
 from replicas.request import Request, RequestOutput, RequestStatus
-from replicas.scheduler import Scheduler, SchedulerConfig
+from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 STEP_LOG = 1 << 14  # step timings kept (the most recent)
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """Where one step's time went, for benchmarks that need to tell host from device."""
-
-    num_tokens: int  # tokens computed (more than num_seqs: the step has prefill)
-    num_seqs: int
-    gated: bool  # the step's layers waited on an adapter copy (on the load stream, or queued
-    # ahead of them on the compute stream by a blocking load)
-    launch_s: float  # host: from the step's start to its last launch
-    total_s: float  # host: from the step's start until its sampled tokens were back
 
 
 class RequestRejected(ValueError):
@@ -81,15 +73,19 @@ class Engine:
         )
         self.num_steps = 0
         self.num_preemptions = 0  # running requests sent back to wait (KV cache full), recomputed
-        self.stalled = False  # the last step ran nothing while requests wait (adapter reads)
         self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
-        self.step_timings: deque[StepTiming] = deque(maxlen=STEP_LOG)
-        self._intake = 0  # requests and prefetch hints taken so far; the prefetcher has seen...
-        self._ticked_intake = 0  # ...the first this many
+        self._stalled = False
+        self._timings: deque[StepTiming] = deque(maxlen=STEP_LOG)
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def stalled(self) -> bool:
+        """The last step ran nothing while requests wait (only adapter reads are in flight):
+        a caller's loop may sleep a little instead of spinning."""
+        return self._stalled
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejected with a message fit for the client."""
@@ -111,7 +107,7 @@ class Engine:
                 raise RequestRejected(str(e), e.status) from e
             request.cold_adapter = not self.adapters.is_resident(request.adapter)
         self.scheduler.add(request)
-        self._intake += 1
+        self.adapters.note_arrival()
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         """Serve a new adapter by name. Raises RequestRejected (400 bad files or name in use)."""
@@ -139,10 +135,70 @@ class Engine:
         except AdapterError:
             return
         self.adapters.hint(adapter, time.monotonic() + eta_s)
-        self._intake += 1
+        self.adapters.note_arrival()
 
     def adapter_status(self) -> dict[str, dict]:
         return self.adapters.status()
+
+    def served_adapters(self) -> ServedAdapters:
+        return self.adapters.served()
+
+    def preload_adapter(self, name: str, *, into_slot: bool = False,
+                        timeout_s: float = 60.0) -> None:
+        """Bring an adapter into host memory now, waiting for its disk read, and with
+        `into_slot` into a GPU slot too: for benchmarks and tests that time steps without
+        loads. Not for a serving loop (it sleeps). Raises TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        while not self.adapters.prepare(name):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"adapter {name!r} was not read within {timeout_s:g} s")
+            time.sleep(0.005)
+        if into_slot and self.adapters.acquire(name) is not None:
+            self.adapters.release(name)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters and occupancy."""
+        adapters = self.adapters.stats
+        return EngineStats(
+            num_steps=self.num_steps,
+            num_preemptions=self.num_preemptions,
+            max_adapters_in_step=self.max_adapters_in_step,
+            adapter_disk_reads=adapters.disk_reads,
+            adapter_gpu_loads=adapters.gpu_loads,
+            adapter_prefetch_loads=adapters.prefetch_loads,
+            adapter_hits=adapters.hits,
+            adapter_misses=adapters.misses,
+            adapter_read_seconds=tuple(adapters.read_seconds),
+            resident_adapters=self.adapters.slots.resident,
+            num_free_kv_blocks=self.blocks.num_free,
+            num_kv_blocks=self.blocks.num_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+        )
+
+    def routing_stats(self) -> RoutingStats:
+        """Where this replica's adapters are (retired ones left out), slots, queue lengths."""
+        tiers: dict[str, list[str]] = {"gpu": [], "loading": [], "host": []}
+        for name, status in self.adapters.status().items():
+            tier = tiers.get(status["tier"])
+            if tier is not None and not status["unloading"]:
+                tier.append(name)
+        slots = self.adapters.slots
+        return RoutingStats(
+            gpu=tuple(tiers["gpu"]),
+            loading=tuple(tiers["loading"]),
+            host=tuple(tiers["host"]),
+            num_slots=slots.num_slots,
+            free_slots=slots.num_free,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+        )
+
+    def step_timings(self, since_step: int = 0) -> list[StepTiming]:
+        """The timings of the steps after step number `since_step` (`num_steps` then), of the
+        most recent STEP_LOG steps."""
+        count = min(self.num_steps - since_step, len(self._timings))
+        return list(self._timings)[len(self._timings) - count:] if count > 0 else []
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -151,74 +207,61 @@ class Engine:
         self.runner.forget(request_id)
         return RequestOutput(request_id, [], request.finish_reason, None, request.num_prompt_tokens)
 
-    def _tick_adapters(self) -> None:
-        """The adapter manager's per-step work: collect reads; in prefetch mode, queue and
-        start loads for the waiting requests' adapters."""
-        self._ticked_intake = self._intake
-        self.adapters.tick(
-            [(r.adapter, r.arrival_time) for r in self.scheduler.waiting if r.adapter is not None]
-        )
-
     def step(self, on_idle: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Run one step. `on_idle()`, if given, runs while the host waits for the step's device
-        work (repeatedly, every few hundred microseconds) and may `add_request` or
-        `prefetch_hint`: in prefetch mode, the adapters they name start loading during the step,
-        not at the next one (a server passes its inbox here). Disk reads that finish while the
-        step runs start their copies then too."""
-        if self.adapters.retired:  # unloaded while in use: drop once its last request is done
-            in_use = {r.adapter for r in self.scheduler.requests()}
-            for name in [n for n in self.adapters.retired if n not in in_use]:
-                self.adapters.forget(name)
-        loads_before = self.adapters.stats.gpu_loads
-        self._tick_adapters()
+        """Run one step: schedule -> run the model -> postprocess. `on_idle()`, if given, runs
+        while the host waits for the step's device work (repeatedly, every few hundred
+        microseconds) and may `add_request` or `prefetch_hint`: in prefetch mode, the adapters
+        they name start loading during the step, not at the next one (a server passes its inbox
+        here). Disk reads that finish while the step runs start their copies then too."""
+        self.adapters.before_step(self._waiting_needs, self._adapters_in_use)
         sched = self.scheduler.schedule()
-        blocking_load = (self.adapters.mode == "blocking"
-                         and self.adapters.stats.gpu_loads > loads_before)
         self.num_preemptions += len(sched.preempted)
-        self.stalled = sched.empty and not sched.failed and self.has_work
+        self._stalled = sched.empty and not sched.failed and self.has_work
         outputs = [
             RequestOutput(r.request_id, [], r.finish_reason, r.error, r.num_prompt_tokens)
             for r in sched.failed
         ]
-        if sched.empty:
-            return outputs
+        if not sched.empty:
+            tokens = self._run(sched, on_idle)
+            outputs += self._postprocess(sched, tokens)
+        return outputs
+
+    def _run(self, sched: SchedulerOutput, on_idle: Callable[[], None] | None) -> list[int]:
+        """Execute the step on the model; returns the sampled tokens (`ModelRunner.execute`)."""
         self.num_steps += 1
-        self.max_adapters_in_step = max(
-            self.max_adapters_in_step,
-            len({s.request.adapter for s in sched.seqs if s.request.adapter is not None}),
-        )
-        sampling = [s for s in sched.seqs if s.samples]
+        adapters = {s.request.adapter for s in sched.seqs if s.request.adapter is not None}
+        self.max_adapters_in_step = max(self.max_adapters_in_step, len(adapters))
         slots = {s.request.slot for s in sched.seqs if s.request.slot is not None}
         started = time.monotonic()
-        layer_waits = self.adapters.layer_waits(slots)
-        poll = on_idle is not None and self.adapters.mode == "prefetch"
-        marked = False
-
-        def while_running() -> bool:
-            nonlocal marked
-            if not marked:  # every launch of the step is enqueued: copies into other slots may
-                self.adapters.mark_used(slots)  # start now, into these after the step
-                marked = True
-            if on_idle is not None:
-                on_idle()
-            if poll and (self._intake != self._ticked_intake or self.adapters.read_finished()):
-                self._tick_adapters()  # new needs, or a read whose copy can start now
-            return poll
-
-        tokens = self.runner.execute(sched.seqs, layer_waits, while_running)
-        # The readback waited for the step's device work: this is the step's time. The adapter
-        # manager learns from it how long a copy can hide behind a step and behind a prefill.
+        loads = self.adapters.start_step(slots)
+        tokens = self.runner.execute(
+            sched.seqs, loads.layer_waits, functools.partial(self._while_running, on_idle)
+        )
+        # The readback waited for the step's device work: this is the step's time.
         elapsed = time.monotonic() - started
-        gated = layer_waits is not None or blocking_load
         prefill_tokens = sum(s.num_new_tokens for s in sched.seqs if s.num_new_tokens > 1)
-        self.adapters.observe_step(elapsed, prefill_tokens, gated)
-        self.step_timings.append(StepTiming(
-            sum(s.num_new_tokens for s in sched.seqs), len(sched.seqs),
-            gated, self.runner.last_launch_s, elapsed,
+        self.adapters.after_step(loads, elapsed, prefill_tokens)
+        self._timings.append(StepTiming(
+            sched.num_tokens, len(sched.seqs), loads.gated, self.runner.last_launch_s, elapsed
         ))
+        return tokens
+
+    def _while_running(self, on_idle: Callable[[], None] | None) -> bool:
+        """While the device runs the step (`ModelRunner.execute`'s `while_running`): the first
+        call comes once every launch is enqueued; later ones while this returns True."""
+        self.adapters.step_launched()
+        if on_idle is None:
+            return False
+        on_idle()
+        return self.adapters.poll_during_step(self._waiting_needs)
+
+    def _postprocess(self, sched: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        """Advance every scheduled request, append the sampled tokens, finish requests."""
+        sampled = [s for s in sched.seqs if s.samples]  # before the requests advance
         for seq in sched.seqs:
             seq.request.num_computed_tokens += seq.num_new_tokens
-        for seq, token in zip(sampling, tokens, strict=True):
+        outputs = []
+        for seq, token in zip(sampled, tokens, strict=True):
             request = seq.request
             request.output_token_ids.append(token)
             status = self._finish_status(request, token)
@@ -229,17 +272,18 @@ class Engine:
             if request.is_finished:
                 metrics = {"queue_s": request.queue_s or 0.0,
                            "adapter_wait_s": request.adapter_wait_s}
-            outputs.append(
-                RequestOutput(
-                    request.request_id,
-                    [token],
-                    request.finish_reason,
-                    None,
-                    request.num_prompt_tokens,
-                    metrics,
-                )
-            )
+            outputs.append(RequestOutput(
+                request.request_id, [token], request.finish_reason, None,
+                request.num_prompt_tokens, metrics,
+            ))
         return outputs
+
+    def _waiting_needs(self) -> list[tuple[str, float]]:
+        waiting = self.scheduler.waiting
+        return [(r.adapter, r.arrival_time) for r in waiting if r.adapter is not None]
+
+    def _adapters_in_use(self) -> set[str | None]:
+        return {r.adapter for r in self.scheduler.requests()}
 
     def _finish_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling
@@ -253,6 +297,10 @@ class Engine:
         ):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def shutdown(self) -> None:
+        """Stop the adapter read pool (reads in flight are dropped)."""
+        self.adapters.shutdown()
 
     def abort_all(self, message: str) -> list[RequestOutput]:
         """Fail every request (after an unrecoverable step error)."""

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from replicas.adapters import manager as manager_module
 from replicas.adapters.loader import load_adapter
+from replicas.adapters.policy import CopyBudget
 from replicas.config import EngineConfig
 from replicas.engine import Engine
 from replicas.lora import LoraWeightPool
@@ -75,8 +75,8 @@ def assert_matches_peft(engine, adapters: dict, tokens: dict[str, list[int]],
 
 def test_requests_admitted_during_copies_match_peft(tmp_path, monkeypatch):
     # Every copy counts as longer than a step: requests wait for their adapters' middle layers.
-    monkeypatch.setattr(manager_module, "COPY_BYTES_PER_S", 1.0)
     engine, adapters = churning_engine(tmp_path, 4, seed=10)
+    monkeypatch.setattr(engine.adapters, "budget", CopyBudget(copy_bytes_per_s=1.0))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.add_request(Request("a0", PROMPT, params, "a0"))
     engine.step()  # a0 runs; the others arrive while it does and need copies

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from replicas.adapters import manager as manager_mod
+from replicas.adapters import policy
+from replicas.adapters.policy import CopyBudget
 from replicas.engine import RequestRejected
 from replicas.lora import LORA_GROUPS
 from replicas.request import Request
@@ -96,7 +97,7 @@ def test_churn_through_fewer_slots_matches_peft(models, fleet, mode):
 def test_ready_requests_keep_running_while_a_cold_adapter_loads(models, fleet):
     engine = fleet_engine(models, fleet, adapter_loading="overlap")
     manager = engine.adapters
-    real_read = manager._read
+    real_read = manager.reader.read_file
     release = threading.Event()  # ad1's disk read finishes only when the test says so
 
     def slow_read(adapter, path):
@@ -104,7 +105,7 @@ def test_ready_requests_keep_running_while_a_cold_adapter_loads(models, fleet):
             release.wait(30)
         return real_read(adapter, path)
 
-    manager._read = slow_read
+    manager.reader.read_file = slow_read
     run_to_completion(engine, [Request("warm", PROMPTS[0], greedy(1), "ad0")])  # ad0 resident
     engine.add_request(Request("cold", PROMPTS[1], greedy(4), "ad1"))
     engine.add_request(Request("hot", PROMPTS[1], greedy(6), "ad0"))
@@ -245,8 +246,8 @@ def record_copies(engine, monkeypatch) -> list[list[FakeEvent]]:
         return copies[-1]
 
     monkeypatch.setattr(pool, "write", write_with_events)
-    monkeypatch.setattr(engine.adapters, "mode", "prefetch")  # uploads take the load stream path
-    monkeypatch.setattr(manager_mod, "SHORT_COPY_S", 0.0)  # the window follows step_time_s alone
+    # the window follows step_time_s alone
+    monkeypatch.setattr(engine.adapters, "budget", CopyBudget(short_copy_s=0.0))
     return copies
 
 
@@ -273,9 +274,9 @@ def test_copy_settled_counts_the_copies_queued_ahead(models, fleet, monkeypatch)
     manager, copies, size = two_copies_in_flight(models, fleet, monkeypatch)
     assert len(copies) == 2
     # Each copy alone fits the window; the second behind the first does not.
-    manager.step_time_s = max(size.values()) * 1.01 / (manager_mod.COPY_STEPS
-                                                      * manager_mod.COPY_BYTES_PER_S)
-    assert max(size.values()) <= manager.copy_window_bytes < sum(size.values())
+    budget = manager.budget
+    budget.step_time_s = max(size.values()) * 1.01 / (policy.COPY_STEPS * policy.COPY_BYTES_PER_S)
+    assert max(size.values()) <= budget.window_bytes < sum(size.values())
     assert manager.copy_settled("ad1")
     assert not manager.copy_settled("ad2")
     mid = len(copies[1]) // 2
@@ -296,39 +297,27 @@ def test_copy_settled_counts_only_the_layers_still_to_land(models, fleet, monkey
     layers = len(copies[0])
     assert layers >= 2
     rest = size["ad1"] * (layers - 1) // layers  # of ad1, once its first layer landed
-    manager.step_time_s = (rest + size["ad2"]) / (manager_mod.COPY_STEPS
-                                                   * manager_mod.COPY_BYTES_PER_S)
-    assert manager.copy_window_bytes < size["ad1"] + size["ad2"]
+    budget = manager.budget
+    budget.step_time_s = (rest + size["ad2"]) / (policy.COPY_STEPS * policy.COPY_BYTES_PER_S)
+    assert budget.window_bytes < size["ad1"] + size["ad2"]
     assert not manager.copy_settled("ad2")
     copies[0][0].done = True  # ad1's first layer is in
     assert manager.copy_settled("ad2")
-    assert manager._queued_bytes() == rest + size["ad2"]
+    assert manager.uploader.queued_bytes() == rest + size["ad2"]
 
 
 def test_copy_settled_counts_the_requests_own_prefill(models, fleet, monkeypatch):
     """A long prompt's step takes longer: the copy may land under its prefill."""
     manager, copies, size = two_copies_in_flight(models, fleet, monkeypatch)
     queued = size["ad1"] + size["ad2"]
-    manager.step_time_s = 0.0  # the window is SHORT_COPY_S alone
-    assert manager.copy_window_bytes < queued
-    manager.prefill_token_s = 1e-4
-    tokens_needed = (queued - manager.copy_window_bytes) / (1e-4 * manager_mod.COPY_BYTES_PER_S)
+    budget = manager.budget
+    budget.step_time_s = 0.0  # the window is the short copy's alone
+    assert budget.window_bytes < queued
+    budget.prefill_token_s = 1e-4
+    tokens_needed = (queued - budget.window_bytes) / (1e-4 * policy.COPY_BYTES_PER_S)
     assert not manager.copy_settled("ad2", prefill_tokens=int(tokens_needed) - 1)
     assert manager.copy_settled("ad2", prefill_tokens=int(tokens_needed) + 1)
     assert not manager.copy_settled("ad2")
-
-
-def test_observe_step_learns_what_a_prefill_token_adds(models, fleet):
-    manager = fleet_engine(models, fleet).adapters
-    for _ in range(50):
-        manager.observe_step(0.010, prefill_tokens=0, gated=False)
-        manager.observe_step(0.010 + 500 * 40e-6, prefill_tokens=500, gated=False)
-        # a step stretched by a copy, and one with too few prefill tokens to tell: not learnt
-        manager.observe_step(0.100, prefill_tokens=500, gated=True)
-        manager.observe_step(0.030, prefill_tokens=8, gated=False)
-    assert manager.decode_step_s == pytest.approx(0.010, rel=1e-3)
-    assert manager.prefill_token_s == pytest.approx(40e-6, rel=1e-2)
-    assert 0.010 < manager.step_time_s < 0.100  # every step's time counts here
 
 
 def test_prefetch_queues_no_more_than_the_copy_window(models, fleet, monkeypatch):
@@ -343,7 +332,7 @@ def test_prefetch_queues_no_more_than_the_copy_window(models, fleet, monkeypatch
     # Room for any one copy, never for two in a row.
     window = min(size[0] + size[1], size[1] + size[2]) - 1
     assert window >= max(size)
-    manager.step_time_s = window / (manager_mod.COPY_STEPS * manager_mod.COPY_BYTES_PER_S)
+    manager.budget.step_time_s = window / (policy.COPY_STEPS * policy.COPY_BYTES_PER_S)
     now = time.monotonic()
     waiting = [(name, now + i) for i, name in enumerate(names)]
     manager.tick(waiting, now)
@@ -364,7 +353,7 @@ def test_step_timings_mark_the_steps_that_waited_on_a_load(models, fleet):
     names = list(fleet)[:3]
     for name in names:  # one at a time: each admission loads its adapter into a slot
         drive(engine, [Request(f"{name}-t", PROMPTS[0], greedy(3), name)])
-    timings = list(engine.step_timings)
+    timings = engine.step_timings()
     assert len(timings) == engine.num_steps
     assert all(0 <= t.launch_s <= t.total_s for t in timings)
     prefill = [t for t in timings if t.num_tokens > t.num_seqs]
@@ -408,7 +397,7 @@ def test_requests_added_while_a_step_runs_start_loading_in_it(models, fleet, mod
     if prefetching:  # the hint is queued behind the request's need; its disk read has begun
         manager = engine.adapters
         assert "ad4" in manager.queue
-        assert "ad4" in manager._reads or "ad4" in manager.host
+        assert "ad4" in manager.reader or "ad4" in manager.host
     while engine.has_work:
         engine.step()
         assert_slots_hold_their_adapters(engine)
@@ -422,31 +411,33 @@ def test_a_disk_read_that_finishes_during_a_step_starts_its_copy_in_it(models, f
     copy starts then (prefetch mode), not at the next step boundary."""
     engine = fleet_engine(models, fleet, max_loras_per_batch=2)
     manager = engine.adapters
-    gate, read = threading.Event(), manager._read
+    gate, read = threading.Event(), manager.reader.read_file
 
     def gated_read(adapter, path):  # ad3's read ends when the test says
         if adapter == "ad3":
             assert gate.wait(30)
         return read(adapter, path)
 
-    manager._read = gated_read
+    manager.reader.read_file = gated_read
     first = Request("a", PROMPTS[0], greedy(4), "ad0")
     late = Request("b", PROMPTS[1], greedy(3), "ad3")
     engine.add_request(first)
     engine.add_request(late)
     while not first.output_token_ids:  # ad0 read and loaded, "a" prefilled
         engine.step()
-    reading = manager._reads.get("ad3")
-    assert reading is not None and not manager.is_resident("ad3")
-    intake = engine._intake
+    assert manager.reader.reading() == ["ad3"] and not manager.is_resident("ad3")
+    arrivals = manager.arrivals
 
     def on_idle():  # the read lands during this step
         gate.set()
-        reading.result(timeout=30)
+        deadline = time.monotonic() + 30
+        while not manager.reader.finished():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
 
     loads = manager.stats.prefetch_loads
     engine.step(on_idle=on_idle)
-    assert engine._intake == intake  # no arrival: the finished read alone started the copy
+    assert manager.arrivals == arrivals  # no arrival: the finished read alone started the copy
     assert manager.is_resident("ad3") and manager.stats.prefetch_loads == loads + 1
     assert late in engine.scheduler.waiting
     while engine.has_work:
@@ -459,22 +450,22 @@ def test_disk_reads_run_one_at_a_time_soonest_need_first(models, fleet):
     need, even one that showed up after the others."""
     engine = fleet_engine(models, fleet)
     manager = engine.adapters
-    assert manager.read_workers == 1
-    gate, read, started = threading.Event(), manager._read, []
+    assert manager.reader.turns.workers == 1
+    gate, read, started = threading.Event(), manager.reader.read_file, []
 
     def gated_read(adapter, path):
         started.append(adapter)
         assert gate.wait(30)
         return read(adapter, path)
 
-    manager._read = gated_read
+    manager.reader.read_file = gated_read
     now = time.monotonic()
     manager.tick([("ad2", now + 3.0), ("ad1", now + 1.0)], now=now)
     manager.tick([("ad0", now + 0.5)], now=now)  # sooner than ad2, but ad1's read has begun
-    assert set(manager._reads) == {"ad1"}
+    assert manager.reader.reading() == ["ad1"]
     gate.set()
     deadline = time.monotonic() + 30
-    while len(started) < 3 or manager._reads:
+    while len(started) < 3 or manager.reader.reading():
         assert time.monotonic() < deadline, started
         manager.tick([], now=now)
         time.sleep(0.001)
@@ -485,27 +476,27 @@ def test_disk_reads_run_one_at_a_time_soonest_need_first(models, fleet):
 def test_a_read_stuck_on_its_file_does_not_hold_the_others(models, fleet, monkeypatch):
     """A file on a hung file system: once its read runs past READ_STALL_S, the next need's
     read starts and completes beside it."""
-    monkeypatch.setattr(manager_mod, "READ_STALL_S", 0.2)
     engine = fleet_engine(models, fleet)
     manager = engine.adapters
-    hung, read = threading.Event(), manager._read
+    monkeypatch.setattr(manager.reader.turns, "stall_s", 0.2)
+    hung, read = threading.Event(), manager.reader.read_file
 
     def stuck_read(adapter, path):
         if adapter == "ad1":
             assert hung.wait(30)
         return read(adapter, path)
 
-    manager._read = stuck_read
+    manager.reader.read_file = stuck_read
     try:
         now = time.monotonic()
         manager.tick([("ad1", now), ("ad2", now + 1.0)], now=now)
-        assert set(manager._reads) == {"ad1"}  # ad2 waits its turn...
+        assert manager.reader.reading() == ["ad1"]  # ad2 waits its turn...
         deadline = time.monotonic() + 30
         while manager.status()["ad2"]["tier"] not in ("gpu", "host"):
             assert time.monotonic() < deadline
             manager.tick([], now=now)
             time.sleep(0.01)
-        assert not manager._reads["ad1"].done()  # ...until ad1's read counts as stuck
+        assert "ad1" in manager.reader  # ...until ad1's read counts as stuck (still running)
     finally:
         hung.set()
 
