@@ -18,9 +18,9 @@ from benchmarks.common import hbm_bandwidth, time_cuda, write_results
 from kernels.attention import AttentionBatch, get_attention_backend
 from kernels.layer_ops import get_layer_ops
 from replicas.cuda_graphs import DecodeGraphs
+from replicas.flat_step import FlatStep
 from replicas.kv_cache import blocks_for
 from replicas.lora import LORA_GROUPS, LoraWeightPool
-from replicas.flat_step import FlatStep
 from replicas.models.llama import StepContext
 from replicas.models.spec import ModelSpec, RopeSpec
 from replicas.models.weights import random_model

@@ -112,10 +112,10 @@ class Chain:
 
 def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import hbm_bandwidth, write_results
-    from kernels.sgmv_triton import _pdl_enabled
+    from kernels.sgmv_triton import pdl_supported
 
     device = torch.device("cuda")
-    if not _pdl_enabled(device):
+    if not pdl_supported(device):
         raise SystemExit("needs programmatic dependent launch (Hopper or later, a Triton with "
                          "launch_pdl): the chain it measures is the SGMV kernels'")
     bw = hbm_bandwidth()

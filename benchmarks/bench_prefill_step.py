@@ -13,9 +13,7 @@ repeats, prefill_host_profile_<tokens>_<adapter>.txt). `--profile` also writes, 
 GPU time per kernel and the host time per op of one step (prefill_profile_<tokens>_<adapter>.txt),
 and reports the step's summed kernel time (`gpu_busy_ms`): far below `step_ms` means the step is
 bound by host work, not by kernels. Steps of up to `max_prefill_graph_tokens` replay per-layer
-CUDA graphs; each such case is timed eagerly too, in the same run (`eager_ms`). `--dispatch`
-times each step again with every Triton launch through Triton's own dispatch
-(`kernels/launch.py`'s cached launches off), in the same run.
+CUDA graphs; each such case is timed eagerly too, in the same run (`eager_ms`).
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ import torch
 
 from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.common import hbm_bandwidth, time_cuda, write_results
-from kernels import launch
 from replicas.config import EngineConfig
 from replicas.engine import Engine
 from replicas.models.spec import ModelSpec
@@ -108,8 +105,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the timed steps")
-    ap.add_argument("--dispatch", action="store_true",
-                    help="also time each step with cached Triton launches off (kernels/launch.py)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the code")
     args = ap.parse_args()
@@ -149,13 +144,6 @@ def main() -> None:
             step_ms = 1000 * statistics.median(seconds)
             row = {"tokens": tokens, "adapter": f"rank {args.rank}" if adapter else "none",
                    "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1000)}
-            if args.dispatch:  # the same step with every Triton launch through its dispatch
-                launch.CACHED_LAUNCHES = False
-                dispatch = [prefill_once(engine, tokens, adapter, rng)
-                            for _ in range(args.repeats)]
-                launch.CACHED_LAUNCHES = True
-                row["dispatch_ms"] = 1000 * statistics.median(dispatch)
-                row["step_vs_dispatch"] = step_ms / row["dispatch_ms"]
             graphs = engine.runner.prefill_graphs
             if graphs is not None and graphs.bucket_for(tokens):  # the same step run eagerly
                 engine.runner.prefill_graphs = None
@@ -178,7 +166,7 @@ def main() -> None:
         "step time against max(2 x params x tokens / measured bf16 GEMM rate, weight bytes / "
         "measured HBM bandwidth); graph-replayed steps against the same step run eagerly",
         ["tokens", "adapter", "step_ms", "gpu_busy_ms", "floor_ms", "ratio_to_floor",
-         "tokens_per_s", "eager_ms", "eager_vs_graphs", "dispatch_ms", "step_vs_dispatch"],
+         "tokens_per_s", "eager_ms", "eager_vs_graphs"],
         rows,
         {"gemm_TFLOPs": rate and rate / 1e12, "hbm_TBps": bandwidth and bandwidth / 1e12,
          "params": params},

@@ -6,11 +6,9 @@ goes through every stage down to the cubin for the target. That catches what the
 cannot (Triton's typing of `if` branches, layouts, the launch options) before a GPU sees it, and
 reads each kernel's registers, stack and spills, which decide how many programs an SM holds.
 
-    python -m kernels.aot                # every tuning row, bf16 and float32, with and without PDL
-    python -m kernels.aot --tokens 1,64  # only the rows these token counts pick
-    python -m kernels.aot --max-ranks 64 # pools of max rank 64 only
-    python -m kernels.aot --expand-sums 2048  # one-token shrink rows summing partials in the
-                                              # expand, over 2048-wide hidden chunks
+    python -m tools.aot                # every tuning row, bf16 and float32, with and without PDL
+    python -m tools.aot --tokens 1,64  # only the rows these token counts pick
+    python -m tools.aot --max-ranks 64 # pools of max rank 64 only
 
 Needs the compiled kernels (not the interpreter): run it without TRITON_INTERPRET.
 """
@@ -22,7 +20,7 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 # Llama-3-8B's fused groups: (input width, output widths)
 GROUPS = {
@@ -32,7 +30,7 @@ GROUPS = {
 }
 HOPPER = ("cuda", 90, 32)  # backend, compute capability, warp size
 NUM_SMS = 132  # an H100 SXM
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 _POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
@@ -59,7 +57,7 @@ def compile_kernel(kernel, types: dict[str, str], constants: dict, ints: dict[st
     from triton.compiler import ASTSource
 
     if not hasattr(kernel, "arg_names") or type(kernel).__name__ == "InterpretedFunction":
-        raise RuntimeError("kernels.aot needs compiled kernels: unset TRITON_INTERPRET")
+        raise RuntimeError("tools.aot needs compiled kernels: unset TRITON_INTERPRET")
     constexprs = {k: v for k, v in constants.items() if k not in LAUNCH_OPTIONS}
     options = {k: v for k, v in constants.items() if k in LAUNCH_OPTIONS}
     missing = [n for n in kernel.arg_names if n not in types and n not in constexprs]
@@ -86,79 +84,48 @@ def usage(compiled) -> Usage:
     return Usage(int(fields["REG"]), int(fields["STACK"]), int(fields["LOCAL"]))
 
 
-def shrink_table(one_token: bool, max_rank: int, expand_sums: int | None = None) -> tuple:
-    """The shrink's rows as `triton_shrink` picks them; with `expand_sums` (a chunk width),
-    its rows of one-token tiles summing their partials in the expand over chunks that wide
-    (`ShrinkTiling.expand_sums`): candidates, compiled before GPU timings place them."""
-    from kernels import sgmv_triton as st
-
-    table = st._shrink_table(one_token, max_rank)
-    if expand_sums is None:
-        return table
-    return tuple((bound, replace(t, expand_sums=True, k_per_split=expand_sums)
-                  if t.block_m == 1 and not t.live_items else t) for bound, t in table)
-
-
-def shrink_plan(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
-                segments: int = 64, slots: int = 64, one_token: bool = False,
-                expand_sums: int | None = None):
-    """The shrink's launch plan as `triton_shrink` would make it for this shape (`one_token`:
-    for a batch whose every segment is one token; `expand_sums` as for `shrink_table`)."""
-    from kernels import sgmv_triton as st
-
-    hidden, outs = GROUPS[group]
-    return st._shrink_plan(shrink_table(one_token, max_rank, expand_sums), tokens, hidden,
-                           len(outs) * max_rank, max_rank, segments, slots, dtype == "float32",
-                           NUM_SMS, pdl)
-
-
 def shrink(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
-           segments: int = 64, slots: int = 64, one_token: bool = False,
-           expand_sums: int | None = None):
-    """The shrink kernel as `triton_shrink` would launch it for this shape (arguments as for
-    `shrink_plan`)."""
+           segments: int = 64, slots: int = 64, one_token: bool = False, tuning=None):
+    """The shrink kernel as `TritonSgmv.shrink` would launch it for this shape under `tuning`
+    (default: DEFAULT_TUNING; `one_token`: a batch whose every segment is one token)."""
     from kernels import sgmv_triton as st
+    from kernels.sgmv_tuning import DEFAULT_TUNING
 
     hidden, outs = GROUPS[group]
-    plan = shrink_plan(tokens, group, dtype, pdl, max_rank, segments, slots, one_token,
-                       expand_sums)
+    cols = len(outs) * max_rank
+    plan = st.shrink_plan(tuning or DEFAULT_TUNING, one_token, tokens, hidden, cols, max_rank,
+                          segments, slots, dtype == "float32", NUM_SMS, pdl)
     p = _POINTER[dtype]
-    h = "*fp32" if plan.expand_sums else p  # (the partials stand in for h there)
-    types = dict(x_ptr=p, a_ptr=p, h_ptr=h, part_ptr="*fp32", lock_ptr="*i32",
+    types = dict(x_ptr=p, a_ptr=p, h_ptr=p, part_ptr="*fp32", lock_ptr="*i32",
                  seg_indptr_ptr="*i32", seg_slots_ptr="*i32", slot_ranks_ptr="*i32",
                  num_segments="i32", num_slots="i32", num_tokens="i32", K="i32",
-                 stride_xt="i32", stride_as="i32", stride_ar="i32", stride_ht="i32",
-                 trace_ptr="*fp32")
-    constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)), TRACE=False)
-    cols = len(outs) * max_rank
+                 stride_xt="i32", stride_as="i32", stride_ar="i32", stride_ht="i32")
+    constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)))
     ints = dict(num_segments=segments, num_slots=slots, num_tokens=tokens, K=hidden,
                 stride_xt=hidden, stride_as=cols * hidden, stride_ar=hidden, stride_ht=cols)
     return compile_kernel(st._sgmv_shrink_kernel, types, constants, ints), plan
 
 
 def expand(tokens: int, group: str, dtype: str, pdl: bool, max_rank: int = 16,
-           segments: int = 64, slots: int = 64, one_token: bool = False, h_splits: int = 1):
-    """The expand kernel as `triton_expand` would launch it for this shape (`one_token` as for
-    `shrink`; `h_splits`: the float32 partials it sums in place of h, 1 for h itself)."""
+           segments: int = 64, slots: int = 64, one_token: bool = False, tuning=None):
+    """The expand kernel as `TritonSgmv.expand` would launch it (arguments as for `shrink`)."""
     from kernels import sgmv_triton as st
+    from kernels.sgmv_tuning import DEFAULT_TUNING
 
     offsets = [0]
     for width in GROUPS[group][1]:
         offsets.append(offsets[-1] + width)
-    float32 = dtype == "float32"
-    plan = st._expand_plan(st._expand_table(one_token, max_rank), tokens, tuple(offsets),
-                           max_rank, segments, slots, float32, NUM_SMS, pdl, h_splits)
+    plan = st.expand_plan(tuning or DEFAULT_TUNING, one_token, tokens, tuple(offsets), max_rank,
+                          segments, slots, dtype == "float32", NUM_SMS, pdl)
     p = _POINTER[dtype]
-    types = dict(h_ptr="*fp32" if h_splits > 1 else p, b_ptr=p, y_ptr=p, sink_ptr="*fp32",
-                 seg_indptr_ptr="*i32", seg_slots_ptr="*i32", slot_ranks_ptr="*i32",
-                 slot_scalings_ptr="*fp32", num_segments="i32", num_slots="i32",
-                 stride_ht="i32", stride_hs="i32", stride_bs="i32", stride_br="i32",
-                 stride_yt="i32", trace_ptr="*fp32")
-    constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)), TRACE=False)
+    types = dict(h_ptr=p, b_ptr=p, y_ptr=p, seg_indptr_ptr="*i32", seg_slots_ptr="*i32",
+                 slot_ranks_ptr="*i32", slot_scalings_ptr="*fp32", num_segments="i32",
+                 num_slots="i32", stride_ht="i32", stride_bs="i32", stride_br="i32",
+                 stride_yt="i32")
+    constants = dict(plan.constants, PRECISION=st._precision(_torch_dtype(dtype)))
     width = offsets[-1]
     cols = (len(offsets) - 1) * max_rank
     ints = dict(num_segments=segments, num_slots=slots, stride_ht=cols,
-                stride_hs=tokens * cols if h_splits > 1 else 0,
                 stride_bs=width * max_rank, stride_br=width, stride_yt=width)
     return compile_kernel(st._sgmv_expand_kernel, types, constants, ints), plan
 
@@ -170,30 +137,27 @@ def _torch_dtype(name: str):
 
 
 def table_token_counts() -> list[int]:
-    """One token count per row of either table (each row's bound, 4096 for the open row)."""
-    from kernels import sgmv_tuning as t
+    """One token count per row of either kernel (each row's bound, 4096 for the open rows)."""
+    from kernels.sgmv_tuning import DEFAULT_TUNING as t
 
-    rows = sum((getattr(t, f"{kernel}_{table}") for kernel in ("SHRINK", "EXPAND")
-                for table in t.TABLE_NAMES), ())
-    bounds = {b if b is not None else 4096 for b, _ in rows}
+    bounds = {r.max_tokens or 4096 for r in t.shrink + t.expand}
     return sorted(bounds | {1})
 
 
 def kernel_variants(tokens: int, max_rank: int) -> list[tuple[str, bool]]:
     """(kernel, one_token) pairs to compile at a token count and pool rank: each kernel once more
     where batches whose every segment is one token pick another row."""
-    from kernels import sgmv_triton as st
+    from kernels.sgmv_tuning import DEFAULT_TUNING as t
 
     variants = []
-    for kernel in st.TABLES:
+    for kernel, pick in (("shrink", t.shrink_tiling), ("expand", t.expand_tiling)):
         variants.append((kernel, False))
-        if st.kernel_variant_differs(kernel, tokens, max_rank):
+        if pick(tokens, True, max_rank) != pick(tokens, False, max_rank):
             variants.append((kernel, True))
     return variants
 
 
-# Pool ranks compiled by default: a rank-16 pool, and one at NARROW_RANK and one past WIDE_RANK
-# (their own rows).
+# Pool ranks compiled by default: a narrow pool, a rank-16 one and one at WIDE_RANK (its own rows).
 MAX_RANKS = (8, 16, 64)
 
 
@@ -207,29 +171,19 @@ def main() -> None:
                     type=lambda v: [int(i) for i in v.split(",")],
                     help="pool max ranks to compile for (default: %(default)s)")
     ap.add_argument("--groups", default=",".join(GROUPS), type=lambda v: v.split(","))
-    ap.add_argument("--expand-sums", default=None, type=int, metavar="CHUNK",
-                    help="compile the shrink's rows of one-token tiles with expand_sums over "
-                         "CHUNK-wide hidden chunks, and the expand summing their partials")
     args = ap.parse_args()
     combos = [(rank, tokens, dtype, pdl, group)
               for rank in args.max_ranks for tokens in args.tokens or table_token_counts()
               for dtype in args.dtypes for pdl in (True, False) for group in args.groups]
     for rank, tokens, dtype, pdl, group in combos:
         for name, one_token in kernel_variants(tokens, rank):
-            shape = (tokens, group, dtype, pdl, rank)
-            summed = shrink_plan(*shape, one_token=one_token, expand_sums=args.expand_sums)
-            splits = summed.split_k if summed.expand_sums else 1  # partials the expand sums
-            if name == "shrink":
-                compiled, plan = shrink(*shape, one_token=one_token, expand_sums=args.expand_sums)
-            else:
-                compiled, plan = expand(*shape, one_token=one_token, h_splits=splits)
+            build = shrink if name == "shrink" else expand
+            compiled, plan = build(tokens, group, dtype, pdl, rank, one_token=one_token)
             u = usage(compiled)
             warps = plan.constants["num_warps"]
-            cap = plan.constants.get("maxnreg", 0)  # the row's `max_registers` (0: none)
             kind = "one-token" if one_token else "any"
             print(f"{name:6} rank {rank:3} tokens {tokens:5} {group:7} {dtype:8} pdl {pdl!s:5} "
-                  f"segments {kind:9} partials {splits:2} "
-                  f"regs {u.registers:3} cap {cap:3} stack {u.stack:3} local {u.local:3} "
+                  f"segments {kind:9} regs {u.registers:3} stack {u.stack:3} local {u.local:3} "
                   f"warps {warps} programs/SM {u.programs_per_sm(warps)}",
                   flush=True)
 
