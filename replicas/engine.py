@@ -178,11 +178,7 @@ class Engine:
 
     def routing_stats(self) -> RoutingStats:
         """Where this replica's adapters are (retired ones left out), slots, queue lengths."""
-        tiers: dict[str, list[str]] = {"gpu": [], "loading": [], "host": []}
-        for name, status in self.adapters.status().items():
-            tier = tiers.get(status["tier"])
-            if tier is not None and not status["unloading"]:
-                tier.append(name)
+        tiers = self.adapters.residency()
         slots = self.adapters.slots
         return RoutingStats(
             gpu=tuple(tiers["gpu"]),

@@ -276,6 +276,16 @@ class AdapterManager:
             }
         return out
 
+    def residency(self) -> dict[str, list[str]]:
+        """The adapters new requests may use, by tier: "gpu", "loading", "host" (the router's
+        view; retired adapters left out). Not for the hot path (queries events)."""
+        tiers: dict[str, list[str]] = {"gpu": [], "loading": [], "host": []}
+        for name, status in self.status().items():
+            tier = tiers.get(status["tier"])
+            if tier is not None and not status["unloading"]:
+                tier.append(name)
+        return tiers
+
     def shutdown(self) -> None:
         self.reader.shutdown()
 

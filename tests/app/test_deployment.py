@@ -79,6 +79,25 @@ class TestMetrics:
         assert backend["lorafleet_engine_running_requests"].records[-1][0] == 0
 
 
+    async def test_stats_keep_the_keys_and_types_that_metrics_and_tools_read(self, replica, files):
+        deployment, _ = replica
+        await deployment.load_adapter("sql", str(files[1]))
+        await generate(deployment, "r1", "sql")
+        stats = await deployment.stats()
+        assert set(stats) == {
+            "num_steps", "num_preemptions", "max_adapters_in_step", "adapter_disk_reads",
+            "adapter_gpu_loads", "adapter_prefetch_loads", "adapter_hits", "adapter_misses",
+            "adapter_read_seconds", "resident_adapters", "num_free_kv_blocks", "num_kv_blocks",
+            "num_running", "num_waiting",
+        }
+        assert isinstance(stats["adapter_read_seconds"], list)
+        assert len(stats["adapter_read_seconds"]) == stats["adapter_disk_reads"] == 1
+        assert stats["resident_adapters"] == {"sql": 0}
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] == 64
+        assert stats["adapter_gpu_loads"] == stats["adapter_hits"] + stats["adapter_misses"] == 1
+        assert stats["num_steps"] == 3 and stats["num_running"] == stats["num_waiting"] == 0
+
+
 class TestControlPlane:
     async def test_undoing_a_load_touches_only_that_load(self, replica, files):
         deployment, _ = replica
