@@ -34,6 +34,7 @@ def test_cached_launches_match_the_reference(lens):
     from kernels import sgmv_triton  # here: see tests/gpu/test_sgmv_pdl.py
 
     device = torch.device("cuda")
+    sgmv = sgmv_triton.TritonSgmv()
     g = torch.Generator(device=device).manual_seed(0)
     batch = make_batch(lens, device)
     offsets = (0, OUTS[0], OUTS[0] + OUTS[1], sum(OUTS))
@@ -48,8 +49,8 @@ def test_cached_launches_match_the_reference(lens):
         before = (sgmv_triton._SHRINK.fast_launches, sgmv_triton._EXPAND.fast_launches)
         for x_in in (x, x, unaligned(x), unaligned(x), x):
             y = y0.clone()
-            h = sgmv_triton.triton_shrink(x_in, a, batch, 3)
-            sgmv_triton.triton_expand(h, b, batch, y, offsets)
+            h = sgmv.shrink(x_in, a, batch, 3)
+            sgmv.expand(h, b, batch, y, offsets)
             torch.testing.assert_close(y.float(), y_ref, atol=3e-2, rtol=3e-2)
         # five launches each: the first aligned and the first unaligned went through Triton
         assert sgmv_triton._SHRINK.fast_launches - before[0] == 3

@@ -109,14 +109,16 @@ def test_grid_launches_key_on_grid_and_constants():
     assert kernel.log[1][2] == (x, 16, 32, False)
 
 
-def test_switched_off_every_launch_is_dispatched(monkeypatch):
+def test_switched_off_every_launch_is_dispatched():
     kernel = FakeKernel()
     cached = CachedLaunch(kernel)
     plan = Plan((1,), {"BLOCK": 8, "EVEN": True})
-    monkeypatch.setattr(launch, "CACHED_LAUNCHES", False)
     for _ in range(3):
-        cached(plan, (torch.zeros(8), 8))
-    assert kinds(kernel.log) == ["dispatch"] * 3
+        cached(plan, (torch.zeros(8), 8), cached=False)
+    x = torch.zeros(8)
+    for _ in range(2):
+        cached.run((2,), (x, 8), False, BLOCK=8, EVEN=True)
+    assert kinds(kernel.log) == ["dispatch"] * 5
 
 
 def test_a_kernel_that_returns_nothing_is_never_cached():
