@@ -550,9 +550,8 @@ def _slice_blocks(out_offsets: tuple[int, ...], block_cap: int) -> tuple[int, in
 
 
 def _slot_block(num_slots: int) -> int:
-    """The slot table's width in registers. At least 64, so that pools of up to 64 slots share
-    their compiled kernels (an engine with another `max_loras_per_batch` would otherwise compile
-    every variant again: 126 s for a 32-slot engine on an H100)."""
+    """The slot table's width in registers, at least 64: pools of up to 64 slots share compiled
+    kernels (else another `max_loras_per_batch` compiles them all again: 126 s on an H100)."""
     return max(64, next_pow2(num_slots))
 
 
@@ -565,8 +564,7 @@ def _pow2_at_most(n: int) -> int:
 
 
 def _unrolled(t: torch.Tensor) -> bool:
-    """Compiled float32: its tiles are capped (`FLOAT32_CAPS`). The interpreter compiles
-    nothing, so CPU tests keep every tiling they ask for."""
+    """Compiled float32 (tiles capped); the interpreter keeps every tiling CPU tests ask for."""
     return t.dtype == torch.float32 and t.is_cuda
 
 

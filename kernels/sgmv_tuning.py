@@ -1,14 +1,12 @@
 """Block sizes of the Triton SGMV kernels, as one frozen object (`SgmvTuning`).
 
 The LoRA weight pool owns a tuning and hands it to the Triton backend; a benchmark builds its own
-(`dataclasses.replace(DEFAULT_TUNING, pdl=False)`) instead of patching modules. Each kernel has a
-list of rows; the first row that serves a batch wins. A row serves a batch by three static facts
-the host knows (a CUDA-graph bucket or a prefill step's size): the token count, whether every
-segment is one token (decode over distinct adapters) and the pool's max rank. The choice is about
-speed only: every row computes every batch.
-
-A row is kept only where it is worth at least 1% of the decode or prefill step it serves (Llama-3-8B
-on an H100: about 3-4 us per layer). Figures and the command: docs/perf/sgmv_tuning.md.
+(`dataclasses.replace(DEFAULT_TUNING, pdl=False)`). Each kernel has rows; the first that serves a
+batch wins, by three static facts the host knows: the token count, whether every segment is one
+token (decode over distinct adapters) and the pool's max rank. Speed only: every row computes
+every batch. A row stays only where it is worth 1% of the step it serves (Llama-3-8B on an H100:
+3-4 us per layer); decode rows stream their weights (B = D = 64 rank 16: 67.5 against 73.9
+us/layer). Figures and commands: docs/perf/sgmv_tuning.md.
 """
 
 from __future__ import annotations
@@ -29,9 +27,7 @@ class ShrinkTiling:
     num_warps: int
     num_stages: int
     programs_per_sm: int  # persistent programs launched per SM
-    # At most this many A elements per item (block_n x k_per_split), for one-token rows: a wide
-    # hidden size (down's) gets fewer columns per item. None: block_n as given.
-    max_a_block: int | None = None
+    max_a_block: int | None = None  # A elements an item holds at most (down: fewer columns)
     stream_weights: bool = False  # A's loads `evict_first`: each block is read by one item
 
 
@@ -51,9 +47,8 @@ T = TypeVar("T", ShrinkTiling, ExpandTiling)
 
 @dataclass(frozen=True)
 class Row(Generic[T]):
-    """A tiling for the batches it serves: at most `max_tokens` tokens (None: any), only batches
-    whose every segment is one token where `one_token_segments`, only pools of a max rank of at
-    least `min_max_rank`."""
+    """A tiling for batches of at most `max_tokens` tokens (None: any), whose every segment is one
+    token where `one_token_segments`, in pools of a max rank of at least `min_max_rank`."""
 
     tiling: T
     max_tokens: int | None
@@ -66,16 +61,14 @@ class Row(Generic[T]):
                 and max_rank >= self.min_max_rank)
 
 
-# float32 is the checking dtype: Triton unrolls its tile products into scalar FMAs, and at the bf16
-# sizes the compile took minutes on an H100. Its tiles are capped to these.
+# float32 (the checking dtype) unrolls into scalar FMAs: at bf16 sizes it compiled for minutes.
 FLOAT32_CAPS = {"block_m": 16, "block_n": 32, "block_k": 32, "block_r": 16}
 
 
 @dataclass(frozen=True)
 class SgmvTuning:
-    """Each kernel's rows (the last serves every batch), programmatic dependent launch (`pdl`,
-    where the GPU and Triton support it) and launches that skip Triton's dispatch
-    (`cached_launches`). Hashable, with the hash computed once: plans are memoized by it."""
+    """Each kernel's rows (the last serves every batch), programmatic dependent launch where the
+    GPU supports it, launches that skip Triton's dispatch. Hashed once: plans are memoized by it."""
 
     shrink: tuple[Row[ShrinkTiling], ...]
     expand: tuple[Row[ExpandTiling], ...]
@@ -83,11 +76,10 @@ class SgmvTuning:
     cached_launches: bool = True
 
     def __post_init__(self) -> None:
-        for rows in (self.shrink, self.expand):
-            if not rows or not rows[-1].serves(1 << 62, False, 0):
-                raise ValueError("a kernel's last row must serve every batch")
-        object.__setattr__(self, "_hash", hash((self.shrink, self.expand, self.pdl,
-                                                self.cached_launches)))
+        if not all(rows and rows[-1].serves(1 << 62, False, 0)
+                   for rows in (self.shrink, self.expand)):
+            raise ValueError("a kernel's last row must serve every batch")
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
 
     def __hash__(self) -> int:
         return self._hash
@@ -116,59 +108,43 @@ def _pick(rows: tuple, num_tokens: int, one_token_segments: bool, max_rank: int,
                               for f in fields(tiling) if f.name in FLOAT32_CAPS})
 
 
-# Decode: one token per tile, whole rows of A per item (two over 8 warps), read before the wait.
-_FEW = ShrinkTiling(1, 2, 16384, NO_SPLIT, num_warps=8, num_stages=1, programs_per_sm=8,
-                    stream_weights=True)
-# Segments of several tokens past 16: 16-token tiles, the hidden size split 512-wide.
-_TILES = ShrinkTiling(16, 32, 128, 512, num_warps=4, num_stages=3, programs_per_sm=16,
-                      stream_weights=True)
-_EXPAND_FEW = ExpandTiling(1, 1024, 16, num_warps=4, num_stages=1, programs_per_sm=2,
-                           stream_weights=True)
-# Wide pools: narrow column blocks over whole 64-row rank steps on one warp.
-_EXPAND_WIDE = ExpandTiling(16, 64, 64, num_warps=1, num_stages=1, programs_per_sm=32,
-                            stream_weights=True)
+_F, _E = ShrinkTiling, ExpandTiling  # positional: block_m, block_n, block_k | block_r, ...
+_FEW = _F(1, 2, 16384, NO_SPLIT, 8, 1, 8, stream_weights=True)  # two whole rows of A an item
+_TILES = _F(16, 32, 128, 512, 4, 3, 16, stream_weights=True)  # 16-token tiles, split 512-wide
+_WIDE_E = _E(16, 64, 64, 1, 1, 32, stream_weights=True)  # narrow blocks, 64-row rank steps
+_FEW_E = _E(1, 1024, 16, 4, 1, 2, stream_weights=True)  # one-token tiles over 1024 columns
 
-# Why each row (whole layers, H100, us/layer, this row -> the row that would serve without it):
+# One line of why per row (whole layers, H100, us/layer: this row -> the one serving without it)
 DEFAULT_TUNING = SgmvTuning(
     shrink=(
-        # one token: 8.8 -> 14.1 (eight launches' latency; two rows of A an item)
-        Row(_FEW, 1),
-        # 8 over 8 rank-64 adapters: four rows an item over 4 warps, 19.8 -> 23.6 (shrink alone)
-        Row(ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=4, num_stages=1, programs_per_sm=4,
-                         max_a_block=16384, stream_weights=True), 16, min_max_rank=WIDE_RANK),
-        # 2-16 tokens: one-token tiles; 16 over one adapter 13.7 -> 35.4
-        Row(_FEW, 16),
+        Row(_FEW, 1),  # one token: 8.8 -> 14.1 (as 2-16, ahead of the wide pools' row)
+        # wide pools 2-16: four rows an item over 4 warps; 8 over 8 rank-64 19.8 -> 23.6
+        Row(_F(1, 16, 16384, NO_SPLIT, 4, 1, 4, 16384, True), 16, min_max_rank=WIDE_RANK),
+        Row(_FEW, 16),  # 2-16 tokens: one-token tiles; 16 over one adapter 13.7 -> 35.4
         # 17-128 one-token segments: eight rows an item; B = D = 64 shrink 39.5 -> 47.4
-        Row(ShrinkTiling(1, 16, 16384, NO_SPLIT, num_warps=8, num_stages=1, programs_per_sm=2,
-                         max_a_block=32768, stream_weights=True), 128, one_token_segments=True),
+        Row(_F(1, 16, 16384, NO_SPLIT, 8, 1, 2, 32768, True), 128, one_token_segments=True),
         # wide pools 17-32: 16-token tiles; 32 over 8 at ranks 8-64 43.5 -> 49.8
         Row(_TILES, 32, min_max_rank=WIDE_RANK),
         # 17-32 tokens: one-token tiles; 32 over 20 adapters 32.3 -> 41.4, over one 20.8 -> 23.8
         Row(replace(_FEW, num_warps=4, max_a_block=4096), 32),
         # wide pools 33-128: 1024-wide splits; 128 over one rank-128 adapter 72.6 -> 81.3
         Row(replace(_TILES, k_per_split=1024), 128, min_max_rank=WIDE_RANK),
-        # 33-128 tokens in segments of several: 64 over one adapter 25.4 -> 50+ (one-token tiles)
-        Row(_TILES, 128),
+        Row(_TILES, 128),  # 33-128 tokens: 64 over one adapter 25.4 -> 50+ (one-token tiles)
         # prefill up to 512: 32-token tiles split 1024-wide, enough items for 132 SMs
-        Row(ShrinkTiling(32, 64, 128, 1024, num_warps=4, num_stages=2, programs_per_sm=4), 512),
-        # prefill: 64-token tiles read each A block once per 64 tokens; 4 x 512 at 226
-        Row(ShrinkTiling(64, 64, 64, 2048, num_warps=4, num_stages=3, programs_per_sm=4), None),
+        Row(_F(32, 64, 128, 1024, 4, 2, 4), 512),
+        # prefill: 64-token tiles read each block of A once per 64 tokens; 4 x 512 at 226
+        Row(_F(64, 64, 64, 2048, 4, 3, 4), None),
     ),
     expand=(
         # wide pools up to 16: one rank-64 token 5.3 -> 18.0, 8 over 8 rank-64 21.5 -> 27.7
-        Row(_EXPAND_WIDE, 16, min_max_rank=WIDE_RANK),
-        # up to 16 tokens: one-token tiles over 1024 columns; 16 over one adapter 15.4 -> 20.0
-        Row(_EXPAND_FEW, 16),
+        Row(_WIDE_E, 16, min_max_rank=WIDE_RANK),
+        Row(_FEW_E, 16),  # up to 16 tokens: 16 over one adapter 15.4 -> 20.0 (16-token tiles)
         # 17-128 one-token segments: rank steps of 32, 4 per SM; B = D = 64 38.3 -> 54.1
-        Row(replace(_EXPAND_FEW, block_r=32, programs_per_sm=4), 128, one_token_segments=True),
-        # wide pools 17-128: 64 skewed over 32 at ranks 8-64 56.9 -> 82.2
-        Row(_EXPAND_WIDE, 128, min_max_rank=WIDE_RANK),
+        Row(replace(_FEW_E, block_r=32, programs_per_sm=4), 128, one_token_segments=True),
+        Row(_WIDE_E, 128, min_max_rank=WIDE_RANK),  # 64 skewed over 32, ranks 8-64: 56.9 -> 82.2
         # 17-128 tokens: 16-token tiles over 128 columns on one warp; 64 over 8 11.5 -> 17.2
-        Row(ExpandTiling(16, 128, 32, num_warps=1, num_stages=1, programs_per_sm=32,
-                         stream_weights=True), 128),
-        # prefill up to 512: 32-token tiles
-        Row(ExpandTiling(32, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8), 512),
-        # prefill: 64-token tiles read each B block once per 64 tokens
-        Row(ExpandTiling(64, 128, 64, num_warps=4, num_stages=1, programs_per_sm=8), None),
+        Row(_E(16, 128, 32, 1, 1, 32, stream_weights=True), 128),
+        Row(_E(32, 128, 64, 4, 1, 8), 512),  # prefill up to 512: 32-token tiles
+        Row(_E(64, 128, 64, 4, 1, 8), None),  # prefill: each B block read once per 64 tokens
     ),
 )
