@@ -9,11 +9,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Under pytest-xdist every worker is a process of its own: share the cores among them rather
+# than let each run torch's intra-op pool over all of them.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "serve" in item.keywords:
+            # One Ray cluster at a time: the tests that start Ray Serve run on one worker.
+            item.add_marker(pytest.mark.xdist_group("serve"))
+        if "gpu" in item.keywords and not gpu:
             item.add_marker(skip)
