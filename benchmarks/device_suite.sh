@@ -4,11 +4,8 @@
 #   bash benchmarks/device_suite.sh tests sgmv-quick decode     # GPU tests, then quick figures
 #   bash benchmarks/device_suite.sh prefill                      # prefill step + per-op profile
 #   bash benchmarks/device_suite.sh kernel-tests                 # tests/kernels compiled (slow)
-#   bash benchmarks/device_suite.sh sgmv-sweep                   # tuning candidates (prints)
-#   bash benchmarks/device_suite.sh sgmv-wide                    #   at B <= 8, rank-64 pools
 #   bash benchmarks/device_suite.sh sgmv-residency               # B <= 8: HBM against L2 weights
 #   bash benchmarks/device_suite.sh launch-chain                 # B <= 8: the launch-chain floor
-#   bash benchmarks/device_suite.sh sgmv-timeline                # B <= 8: kernels on one clock
 #   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
 #   bash benchmarks/device_suite.sh copy-overlap                 # load-stream copies vs the step;
 #                                                                #   host time of an adapter write
@@ -79,14 +76,9 @@ for s in "$@"; do
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
         launch-chain)  # eight dependent launches a layer: the small-batch latency floor
             stage launch-chain 180 python -m benchmarks.bench_launch_chain --out "$OUT" ;;
-        sgmv-timeline)  # B <= 8: each kernel's programs on one clock (where the layer's time goes)
-            stage sgmv-timeline 300 python -m benchmarks.bench_sgmv_timeline --out "$OUT" ;;
-        sgmv-sweep) stage sgmv-sweep 420 python -m benchmarks.bench_sgmv --sweep ;;
-        sgmv-wide)  # B <= 8 in a pool of max rank 64 (the wide-rank rows against the candidates)
-            stage sgmv-wide 540 python -m benchmarks.bench_sgmv --sweep --sweep-cases 11,12,13,14 ;;
         sgmv-residency)  # small batches with weights from HBM and from L2
             stage sgmv-residency 120 python -m benchmarks.bench_sgmv --residency \
-                --sweep-cases 0,1,16,15,13 ;;
+                --cases 0,1,16,15,13 ;;
         churn16)
             churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 48 \
                 --popularity distinct,uniform,skewed --resident ;;
