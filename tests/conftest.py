@@ -16,6 +16,7 @@ if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the markers
 def pytest_collection_modifyitems(config, items):
     gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
