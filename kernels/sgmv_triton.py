@@ -9,14 +9,15 @@ segments of length 0 own no tile either. The grid depends only on static shapes 
 segment count, widths, SM count), never on device values, so a launch can be captured in a CUDA
 graph and replayed over new metadata. The launchers never read device tensors.
 
-Shrink, h[t, i*R + r] = x[t] . A[slot, i*R + r]: a work item is (tile, column block over the
-n*R fused columns, K split). Columns whose rank index r is past the slot's true rank are masked
-out of every load, so a rank-8 slot reads 8 rows of A per slice, not R; a column block with no
-live column writes zeros and reads nothing. With split-K, each split writes a float32 partial;
-the split that arrives last (an arrival counter per tile and column block) sums all partials in
-split order and writes h. The counter only elects the reducer: the sum is the same fixed-order
-sum whichever split finishes last, so results are deterministic and no atomic touches a value.
-The reducer resets its counter to 0, so counters are zero between launches.
+Shrink, h[t, i*R + r] = x[t] . A[slot, i*R + r]: a work item is (tile, column block over the n*R
+fused columns, K split). Columns whose rank index r is past the slot's true rank are masked out of
+every load, so a rank-8 slot reads 8 rows of A per slice, not R; a column block with no live column
+writes zeros and reads nothing (a `live_items` row makes none: a token's items are the blocks below
+its slot's rank, and h past the rank is left unwritten). With split-K, each split writes a float32
+partial; the split that arrives last (an arrival counter per tile and column block) sums all
+partials in split order and writes h. The counter only elects the reducer: the sum is the same
+fixed-order sum whichever split finishes last, so results are deterministic and no atomic touches a
+value. The reducer resets its counter to 0, so counters are zero between launches.
 
 Expand, y[t, o_i + c] += scale * h[t, i*R : i*R + rank] . B[slot, :rank, o_i + c]: a work item
 is (tile, column block); column blocks never cross a slice boundary, so slices of different
@@ -96,16 +97,24 @@ def _segment_table(seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S: tl.cons
 
 
 @triton.jit
-def _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M: tl.constexpr):
-    """Tile j's first row, its segment's end row, and the segment's slot."""
-    owner = (tiles_incl > j) & (tiles_incl - tiles <= j)  # one segment; empty ones never match
+def _locate_item(i, starts, ends, slots, counts, counts_incl):
+    """Item i among per-segment item counts (inclusive prefix sum `counts_incl`): its segment's
+    first row, end row and slot, and the item's index within the segment."""
+    owner = (counts_incl > i) & (counts_incl - counts <= i)  # one segment; empty ones never match
     start, end, slot, before = tl.reduce(
         (tl.where(owner, starts, 0), tl.where(owner, ends, 0), tl.where(owner, slots, 0),
-         tl.where(owner, tiles_incl - tiles, 0)),
+         tl.where(owner, counts_incl - counts, 0)),
         0,
         _add4,
     )
-    return start + (j - before) * BLOCK_M, end, slot
+    return start, end, slot, i - before
+
+
+@triton.jit
+def _locate_tile(j, starts, ends, slots, tiles, tiles_incl, BLOCK_M: tl.constexpr):
+    """Tile j's first row, its segment's end row, and the segment's slot."""
+    start, end, slot, local = _locate_item(j, starts, ends, slots, tiles, tiles_incl)
+    return start + local * BLOCK_M, end, slot
 
 
 @triton.jit
@@ -253,6 +262,37 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row, sl
 
 
 @triton.jit
+def _shrink_live_items(x_ptr, a_ptr, h_ptr, slot_ranks_ptr, starts, ends, slots, slot_ids,
+                       slot_ranks, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
+                       MAX_RANK: tl.constexpr, NUM_COLS: tl.constexpr, NUM_CB: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                       PRELOAD_A: tl.constexpr, WEIGHT_EVICT: tl.constexpr):
+    """The shrink over one-token tiles without split-K, with items only for the column blocks
+    below each slot's rank (BLOCK_N divides MAX_RANK): a low-rank token in a wide pool leaves no
+    empty items in the programs' strides. h past a slot's rank is left unwritten."""
+    num_slices: tl.constexpr = NUM_COLS // MAX_RANK
+    per_slice: tl.constexpr = MAX_RANK // BLOCK_N
+    # Slot ranks are written by no kernel before this one: gathered per segment before the wait.
+    seg_blocks = (tl.load(slot_ranks_ptr + slots) + BLOCK_N - 1) // BLOCK_N * num_slices
+    seg_items = seg_blocks * (ends - starts)
+    items_incl = tl.cumsum(seg_items, axis=0)
+    num_items = tl.sum(seg_items, axis=0)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        start, _, slot, local = _locate_item(item, starts, ends, slots, seg_items, items_incl)
+        rank = _slot_value(slot, slot_ids, slot_ranks)
+        live = (rank + BLOCK_N - 1) // BLOCK_N  # column blocks per slice below the rank
+        row = start + local // (live * num_slices)
+        block = local % (live * num_slices)
+        cb = block // live * per_slice + block % live
+        # one token, no split (h stands in for the unused partials and counters)
+        _shrink_tile(x_ptr, a_ptr, h_ptr, h_ptr, h_ptr, row, row + 1, slot.to(tl.int64), rank,
+                     0, cb, 0, num_tokens, K, stride_xt, stride_as, stride_ar, stride_ht,
+                     MAX_RANK, NUM_COLS, NUM_CB, 1, BLOCK_N, BLOCK_K, K_PER_SPLIT, 1, EVEN_K,
+                     PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT)
+
+
+@triton.jit
 def _sgmv_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [num_slots, NUM_COLS, K]
@@ -284,6 +324,7 @@ def _sgmv_shrink_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD_A: tl.constexpr,  # PDL and one hidden step per item: A is read before the wait
+    LIVE_ITEMS: tl.constexpr,  # one-token tiles: items only below each slot's rank
     WEIGHT_EVICT: tl.constexpr,  # A's loads: "evict_first" streams it past the caches
 ):
     if PDL:  # the next kernel may start its own prologue now
@@ -296,19 +337,25 @@ def _sgmv_shrink_kernel(
     # Under PDL the previous kernel may still be running: x, h, the partials and the counters
     # are its to write or read until `gdc_wait`, which every item path calls before touching
     # them (after reading its A block, where the item is one hidden step).
-    num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        ks = item % SPLIT_K
-        cb = (item // SPLIT_K) % NUM_CB
-        j = item // (SPLIT_K * NUM_CB)
-        first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl,
-                                                BLOCK_M)
-        rank = _slot_value(slot, slot_ids, slot_ranks)
-        _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
-                     slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt, stride_as,
-                     stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M, BLOCK_N,
-                     BLOCK_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL, PRELOAD_A,
-                     WEIGHT_EVICT)
+    if LIVE_ITEMS:
+        _shrink_live_items(x_ptr, a_ptr, h_ptr, slot_ranks_ptr, starts, ends, slots, slot_ids,
+                           slot_ranks, num_tokens, K, stride_xt, stride_as, stride_ar,
+                           stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_N, BLOCK_K, K_PER_SPLIT,
+                           EVEN_K, PRECISION, PDL, PRELOAD_A, WEIGHT_EVICT)
+    else:
+        num_items = tl.sum(tiles, axis=0) * (NUM_CB * SPLIT_K)
+        for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+            ks = item % SPLIT_K
+            cb = (item // SPLIT_K) % NUM_CB
+            j = item // (SPLIT_K * NUM_CB)
+            first_row, end_row, slot = _locate_tile(j, starts, ends, slots, tiles, tiles_incl,
+                                                    BLOCK_M)
+            rank = _slot_value(slot, slot_ids, slot_ranks)
+            _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, lock_ptr, first_row, end_row,
+                         slot.to(tl.int64), rank, j, cb, ks, num_tokens, K, stride_xt,
+                         stride_as, stride_ar, stride_ht, MAX_RANK, NUM_COLS, NUM_CB, BLOCK_M,
+                         BLOCK_N, BLOCK_K, K_PER_SPLIT, SPLIT_K, EVEN_K, PRECISION, PDL,
+                         PRELOAD_A, WEIGHT_EVICT)
     if PDL:  # a program without items still waits: no kernel ends before the one it follows
         gdc_wait()
 
@@ -483,6 +530,7 @@ def shrink_plan(tuning: SgmvTuning, one_token_segments: bool, num_tokens: int, h
         SPLIT_K=split_k,
         EVEN_K=hidden % block_k == 0,
         PRELOAD_A=pdl and k_per_split == block_k,
+        LIVE_ITEMS=t.live_items and split_k == 1 and max_rank % block_n == 0,
     )
     grid = (min(bound_tiles * num_cb * split_k, num_sms * t.programs_per_sm),)
     return Plan(grid, constants, split_k, bound_tiles * num_cb if split_k > 1 else 0)
@@ -624,7 +672,8 @@ class TritonSgmv(SgmvBackend):
     def shrink(self, x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch,
                num_slices: int) -> torch.Tensor:
         """x: [T, in]; a: [num_slots, n*R, in] -> h: [T, n*R] in x's dtype (base-model rows
-        unspecified; the columns at or past a token's slot rank zeros)."""
+        unspecified; the columns at or past a token's slot rank zeros, or unspecified under a
+        `live_items` row: the expand reads none of them)."""
         num_tokens, hidden = x.shape
         num_cols = a.shape[1]
         assert a.dim() == 3 and a.shape[2] == hidden, f"a {tuple(a.shape)} vs x {tuple(x.shape)}"

@@ -29,6 +29,13 @@ class ShrinkTiling:
     programs_per_sm: int  # persistent programs launched per SM
     max_a_block: int | None = None  # A elements an item holds at most (down: fewer columns)
     stream_weights: bool = False  # A's loads `evict_first`: each block is read by one item
+    # One-token tiles without split-K: items only for the column blocks below each slot's rank
+    # (where block_n divides the pool's max rank), not every block up to the max rank.
+    live_items: bool = False
+
+    def __post_init__(self) -> None:
+        if self.live_items and self.block_m != 1:
+            raise ValueError("live_items takes one-token tiles (block_m 1)")
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ def _pick(rows: tuple, num_tokens: int, one_token_segments: bool, max_rank: int,
 _F, _E = ShrinkTiling, ExpandTiling  # positional: block_m, block_n, block_k | block_r, ...
 _FEW = _F(1, 2, 16384, NO_SPLIT, 8, 1, 8, stream_weights=True)  # two whole rows of A an item
 _TILES = _F(16, 32, 128, 512, 4, 3, 16, stream_weights=True)  # 16-token tiles, split 512-wide
+_ONE = _F(1, 16, 16384, NO_SPLIT, 8, 1, 2, 32768, True)  # eight whole rows of A an item
 _WIDE_E = _E(16, 64, 64, 1, 1, 32, stream_weights=True)  # narrow blocks, 64-row rank steps
 _FEW_E = _E(1, 1024, 16, 4, 1, 2, stream_weights=True)  # one-token tiles over 1024 columns
 
@@ -121,8 +129,11 @@ DEFAULT_TUNING = SgmvTuning(
         # wide pools 2-16: four rows an item over 4 warps; 8 over 8 rank-64 19.8 -> 23.6
         Row(_F(1, 16, 16384, NO_SPLIT, 4, 1, 4, 16384, True), 16, min_max_rank=WIDE_RANK),
         Row(_FEW, 16),  # 2-16 tokens: one-token tiles; 16 over one adapter 13.7 -> 35.4
+        # wide pools, 17-128 one-token segments: items only below each slot's rank; B = D = 64
+        # at ranks 8-64 58.9 -> 67.8 (H100), 64 mixed 98.0 -> 109.0 (H200); rank 16 costs 0.6
+        Row(replace(_ONE, live_items=True), 128, one_token_segments=True, min_max_rank=WIDE_RANK),
         # 17-128 one-token segments: eight rows an item; B = D = 64 shrink 39.5 -> 47.4
-        Row(_F(1, 16, 16384, NO_SPLIT, 8, 1, 2, 32768, True), 128, one_token_segments=True),
+        Row(_ONE, 128, one_token_segments=True),
         # wide pools 17-32: 16-token tiles; 32 over 8 at ranks 8-64 43.5 -> 49.8
         Row(_TILES, 32, min_max_rank=WIDE_RANK),
         # 17-32 tokens: one-token tiles; 32 over 20 adapters 32.3 -> 41.4, over one 20.8 -> 23.8

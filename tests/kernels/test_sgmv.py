@@ -336,6 +336,58 @@ class TestTritonMatchesReference:
             sgmv.expand(h_ref, b, hinted, y_out, layout.out_offsets)
             assert_close(y_out, y_ref)
 
+    # A base token, then 17 one-token segments (the fewest the 17-128 rows serve) over ranks from
+    # 1 to the pool's max rank 64, one past the edge of a column block (33), and a base token
+    # between them (a segment on the empty slot).
+    WIDE_DECODE = ([(1, None), *[(1, 1 + i % 6) for i in range(6)], (1, None),
+                    *[(1, 1 + i % 6) for i in range(10)]], [0, 4, 8, 64, 16, 33, 1], 64)
+
+    def test_wide_pool_decode_reads_only_below_each_slot_s_rank(self):
+        """One-token segments in a pool of a wide max rank take the shrink's row whose items
+        cover only the column blocks below each slot's rank (`live_items`); weights past a rank
+        are NaN, so a read past it would show."""
+        runs, ranks, max_rank = self.WIDE_DECODE
+        layout = LAYOUTS["qkv_gqa"]
+        n = len(layout.outs)
+        batch = make_batch(runs, ranks)
+        num_tokens = batch.num_tokens + 1
+        assert batch.one_token_segments and batch.num_tokens > 16
+        assert DEFAULT_TUNING.shrink_tiling(num_tokens, True, max_rank).live_items
+        plan = shrink_plan(num_tokens, layout.hidden, n * max_rank, max_rank,
+                           segments=batch.num_segments, one_token=True, slots=len(ranks))
+        assert plan.constants["LIVE_ITEMS"]
+
+        a, b = make_weights(layout, ranks, max_rank)
+        a_poisoned, b_poisoned = poison_past_rank(a, b, ranks, n)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(num_tokens, layout.hidden, generator=g).to(DEVICE)
+        y = torch.randn(num_tokens, sum(layout.outs), generator=g).to(DEVICE)
+        h = TRITON.shrink(x, a_poisoned, batch, n)
+        h_ref = torch_shrink(x, a, batch, n)
+        read = read_by_expand(batch, num_tokens, n * max_rank, max_rank)
+        assert_close(h[read], h_ref[read])
+        y_out, y_ref = y.clone(), y.clone()
+        TRITON.expand(poison_unread(h, batch, max_rank), b_poisoned, batch, y_out,
+                      layout.out_offsets)
+        torch_expand(h_ref, b, batch, y_ref, layout.out_offsets)
+        assert_close(y_out, y_ref)
+
+    def test_items_below_each_rank_serve_segments_of_several_tokens(self):
+        # A row computes every batch, whatever the hint: live items over segments of 2-4 tokens.
+        tiling = ShrinkTiling(1, 16, 128, NO_SPLIT, num_warps=4, num_stages=1,
+                              programs_per_sm=3, live_items=True)
+        sgmv = get_backend("triton", replace(TILINGS["unsplit"], shrink=(Row(tiling, None),)))
+        layout = LAYOUTS["qkv_gqa"]
+        batch, a, b, x, _, max_rank = run_case(layout, "slot_in_two_segments")
+        plan = shrink_plan(x.shape[0], layout.hidden, 3 * max_rank, max_rank,
+                           segments=batch.num_segments, tuning=sgmv.tuning, slots=3)
+        assert plan.constants["LIVE_ITEMS"]
+        a_poisoned, _ = poison_past_rank(a, b, BATCHES["slot_in_two_segments"][1], 3)
+        h = sgmv.shrink(x, a_poisoned, batch, 3)
+        h_ref = torch_shrink(x, a, batch, 3)
+        read = read_by_expand(batch, x.shape[0], h_ref.shape[1], max_rank)
+        assert_close(h[read], h_ref[read])
+
     def test_expand_reads_b_as_columns_of_a_wider_matrix(self):
         # The slot pool keeps every group's B as a column range of one [R, width] matrix per
         # slot: rows further apart than the group's width.
@@ -519,6 +571,27 @@ class TestLaunchPlans:
                 row = t.shrink_tiling(tokens, True, max_rank)
                 assert (row.block_m, row.max_a_block) == (1, 32768)
 
+    def test_items_below_each_rank_only_where_their_row_can_take_them(self):
+        """The shrink's `live_items` row serves 17-128 one-token segments in wide pools, and its
+        plan takes the path only without split-K and where the column block divides the max
+        rank; rank-16 pools and segments of several tokens keep every block."""
+        t = DEFAULT_TUNING
+        for tokens in (17, 64, 128):
+            assert t.shrink_tiling(tokens, True, WIDE_RANK).live_items
+            for one_token, max_rank in ((True, 16), (False, WIDE_RANK)):
+                assert not t.shrink_tiling(tokens, one_token, max_rank).live_items
+        for tokens in (1, 16, 129):
+            assert not t.shrink_tiling(tokens, True, WIDE_RANK).live_items
+        for hidden, outs in ((4096, 3), (14336, 1)):  # qkv, down (narrower column blocks)
+            live = shrink_plan(64, hidden, outs * 64, 64, one_token=True)
+            assert live.constants["LIVE_ITEMS"] and live.split_k == 1
+        uneven = shrink_plan(64, 4096, 3 * 100, 100, one_token=True)  # blocks of 8 columns
+        assert uneven.constants["BLOCK_N"] == 8 and not uneven.constants["LIVE_ITEMS"]
+        split = replace(t.shrink_tiling(64, True, 64), block_k=1024, k_per_split=1024)
+        split_plan = shrink_plan(64, 4096, 192, 64, one_token=True,
+                                 tuning=one_row(split, TILINGS["token"].expand[0].tiling))
+        assert split_plan.split_k == 4 and not split_plan.constants["LIVE_ITEMS"]
+
     def test_wide_rank_pools_pick_their_rows(self):
         t = DEFAULT_TUNING
         for pick in (t.shrink_tiling, t.expand_tiling):
@@ -553,6 +626,10 @@ class TestTuning:
         assert not row.serves(17, True, 64)
         assert not row.serves(8, False, 64)
         assert not row.serves(8, True, 32)
+
+    def test_items_below_each_rank_take_one_token_tiles(self):
+        with pytest.raises(ValueError, match="live_items"):
+            ShrinkTiling(16, 16, 64, NO_SPLIT, 4, 1, 2, live_items=True)
 
     def test_a_tuning_is_frozen_and_hashable(self):
         with pytest.raises(AttributeError):
