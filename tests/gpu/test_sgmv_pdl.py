@@ -11,30 +11,36 @@ from tests.factories import sgmv_batch
 
 pytestmark = pytest.mark.gpu
 
-HIDDEN, RANK, LAYERS = 512, 16, 6
+HIDDEN, LAYERS = 512, 6
 OUTS = (HIDDEN, HIDDEN // 4, HIDDEN // 4)  # q/k/v widths under GQA; q feeds the next layer
+# slot ranks by the pool's max rank; at 64, decode over 17-128 tokens has items only below each
+# slot's rank (the `live_items` row)
+SLOT_RANKS = {16: (16, 8, 16, 4), 64: (64, 8, 33, 4)}
 
 
 def hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def make_batch(num_tokens: int, device) -> SgmvBatch:
+def make_batch(num_tokens: int, max_rank: int, device) -> SgmvBatch:
     # decode: a token per segment, each its own slot
     slots = [i % 4 for i in range(num_tokens)]
-    return sgmv_batch([1] * num_tokens, slots, (16, 8, 16, 4), (0.5, 2.0, 1.0, 1.5), device)
+    return sgmv_batch([1] * num_tokens, slots, SLOT_RANKS[max_rank], (0.5, 2.0, 1.0, 1.5),
+                      device)
 
 
-def make_chain_inputs(num_tokens: int, device, seed: int):
+def make_chain_inputs(num_tokens: int, max_rank: int, device, seed: int):
     """LAYERS layers of bf16 q/k/v adapter weights over 4 slots, a decode batch and its input."""
     g = torch.Generator(device=device).manual_seed(seed)
     weights = [
-        (torch.randn(4, 3 * RANK, HIDDEN, device=device, generator=g, dtype=torch.bfloat16) / 8,
-         torch.randn(4, RANK, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16) / 4)
+        (torch.randn(4, 3 * max_rank, HIDDEN, device=device, generator=g,
+                     dtype=torch.bfloat16) / 8,
+         torch.randn(4, max_rank, sum(OUTS), device=device, generator=g,
+                     dtype=torch.bfloat16) / 4)
         for _ in range(LAYERS)
     ]
     x = torch.randn(num_tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
-    return weights, make_batch(num_tokens, device), x
+    return weights, make_batch(num_tokens, max_rank, device), x
 
 
 def chain(x, weights, batch, sgmv):
@@ -49,8 +55,8 @@ def chain(x, weights, batch, sgmv):
     return x
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64])
-def test_pdl_chain_equals_plain_launches(num_tokens):
+@pytest.mark.parametrize("num_tokens, max_rank", [(1, 16), (8, 16), (64, 16), (64, 64)])
+def test_pdl_chain_equals_plain_launches(num_tokens, max_rank):
     device = torch.device("cuda")
     if not hopper():
         pytest.skip("programmatic dependent launch needs Hopper or later")
@@ -64,7 +70,9 @@ def test_pdl_chain_equals_plain_launches(num_tokens):
     assert DEFAULT_TUNING.pdl and sgmv_triton.pdl_supported(device), "PDL should be on here"
     pdl = sgmv_triton.TritonSgmv(DEFAULT_TUNING)
     plain_launches = sgmv_triton.TritonSgmv(replace(DEFAULT_TUNING, pdl=False))
-    weights, batch, x = make_chain_inputs(num_tokens, device, seed=0)
+    weights, batch, x = make_chain_inputs(num_tokens, max_rank, device, seed=0)
+    if max_rank == 64:
+        assert DEFAULT_TUNING.shrink_tiling(num_tokens, True, max_rank).live_items
 
     plain = chain(x, weights, batch, plain_launches)
     eager = chain(x, weights, batch, pdl)

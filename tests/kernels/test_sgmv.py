@@ -723,6 +723,15 @@ class TestOnGpu:
         ranks = [0, max_rank, max(1, max_rank // 2), max_rank]
         self.check_against_float32(layout, ranks, max_rank, seg_lens, torch.bfloat16)
 
+    @pytest.mark.parametrize("tokens", [17, 128])
+    @pytest.mark.parametrize("layout", [LLAMA3_8B_QKV, LLAMA3_8B_DOWN], ids=["qkv", "down"])
+    def test_wide_pool_decode_over_mixed_ranks(self, tokens, layout):
+        # items only below each slot's rank (`live_items`) over column blocks of 8 (qkv), 2 (down)
+        ranks = [0, 4, 8, 64, 16, 33, 1, 64, 32]
+        plan = shrink_plan(tokens, layout.hidden, len(layout.outs) * 64, 64, one_token=True)
+        assert plan.constants["LIVE_ITEMS"]
+        self.check_against_float32(layout, ranks, 64, [1] * tokens, torch.bfloat16)
+
     @staticmethod
     def check_against_float32(layout, ranks, max_rank, seg_lens, dtype):
         a, b = make_weights(layout, ranks, max_rank, dtype=dtype)
