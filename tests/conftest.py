@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "serve" in item.keywords:
-            # One Ray cluster at a time: the tests that start Ray Serve run on one worker.
-            item.add_marker(pytest.mark.xdist_group("serve"))
+            # A module that starts Ray Serve keeps its tests on one worker: its cluster is a
+            # module fixture, built once.
+            item.add_marker(pytest.mark.xdist_group(f"serve:{item.module.__name__}"))
         if "gpu" in item.keywords and not gpu:
             item.add_marker(skip)
