@@ -170,11 +170,13 @@ def main() -> None:
     ap.add_argument("--max-ranks", default=MAX_RANKS,
                     type=lambda v: [int(i) for i in v.split(",")],
                     help="pool max ranks to compile for (default: %(default)s)")
+    ap.add_argument("--pdl", default="on,off", type=lambda v: [x == "on" for x in v.split(",")],
+                    help="programmatic dependent launch: on, off or both (default: %(default)s)")
     ap.add_argument("--groups", default=",".join(GROUPS), type=lambda v: v.split(","))
     args = ap.parse_args()
     combos = [(rank, tokens, dtype, pdl, group)
               for rank in args.max_ranks for tokens in args.tokens or table_token_counts()
-              for dtype in args.dtypes for pdl in (True, False) for group in args.groups]
+              for dtype in args.dtypes for pdl in args.pdl for group in args.groups]
     for rank, tokens, dtype, pdl, group in combos:
         for name, one_token in kernel_variants(tokens, rank):
             build = shrink if name == "shrink" else expand
