@@ -1,0 +1,33 @@
+"""The GPU test record: each test case of a JUnit report becomes a row with its outcome."""
+
+import json
+
+from tools.gpu_tests import outcomes, write
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="3">
+<testcase classname="tests.gpu.test_a" name="test_ok" time="1.5"/>
+<testcase classname="tests.gpu.test_a" name="test_bad[64-64]" time="2.0">
+<failure message="assert False">trace</failure></testcase>
+<testcase classname="tests.gpu.test_b" name="test_skip" time="0.0">
+<skipped message="needs Hopper"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_each_case_is_a_row_with_its_outcome_and_the_counts_are_written(tmp_path):
+    report = tmp_path / "junit.xml"
+    report.write_text(JUNIT)
+    rows = outcomes(report)
+    assert [(r["test"], r["outcome"]) for r in rows] == [
+        ("tests/gpu/test_a.py::test_ok", "passed"),
+        ("tests/gpu/test_a.py::test_bad[64-64]", "failed"),
+        ("tests/gpu/test_b.py::test_skip", "skipped"),
+    ]
+    meta = {"date": "2026-11-27", "commit": "abc", "device": "NVIDIA H200"}
+    md = write(tmp_path / "out", rows, meta).read_text()
+    assert "- commit: abc" in md and "- 1 passed, 1 failed, 1 skipped" in md
+    assert "| `tests/gpu/test_a.py::test_bad[64-64]` | failed | 2.0 |" in md
+    data = json.loads((tmp_path / "out" / "gpu_tests.json").read_text())
+    assert (data["passed"], data["failed"], data["skipped"]) == (1, 1, 1)
+    assert data["device"] == "NVIDIA H200" and len(data["tests"]) == 3
