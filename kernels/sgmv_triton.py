@@ -37,6 +37,10 @@ and scalings, adapter weights) before `gdc_wait`, which returns once the kernel 
 and its writes are visible, and every program waits before it ends, so a kernel never finishes
 before the one it follows. Adapter weights are written on the load stream, ordered before the step
 by events. The overlap hides the launch, the metadata round trip and the first weight read.
+A shrink item of one hidden step then reads its A block before the wait (PRELOAD_A), and Triton
+lays that product out for another reduction tree than without PDL: the float32 sums round in
+another order, so results match plain launches to rounding (an h entry in thousands one bf16
+step apart), and match bit for bit the same launches without overlap.
 
 Rows of h for tokens outside every segment are unspecified (never written); the expand never
 reads them and never touches those rows of y. Inputs are float32, float16 or bfloat16;

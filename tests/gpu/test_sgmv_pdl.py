@@ -1,7 +1,8 @@
 """SGMV kernels launched with programmatic dependent launch: each kernel starts while the one
 before it still runs and waits only before it touches that kernel's outputs. A chain of layers
-whose every shrink reads the previous layer's expand output must give, bit for bit, what plain
-launches give, eagerly and replayed from a CUDA graph."""
+whose every shrink reads the previous layer's expand output must give, bit for bit, what the same
+kernels give launched one at a time on an idle device, eagerly and replayed from a CUDA graph; and
+what plain launches give, up to the order of the shrink's float32 sums."""
 
 import pytest
 import torch
@@ -55,8 +56,24 @@ def chain(x, weights, batch, sgmv):
     return x
 
 
+class OneAtATime:
+    """A backend's launches on an idle device: each waits on the host until every kernel before
+    it has finished, so none starts early and PDL can change nothing but the compiled code."""
+
+    def __init__(self, sgmv) -> None:
+        self.sgmv = sgmv
+
+    def shrink(self, x, a, batch, num_slices):
+        torch.cuda.synchronize()
+        return self.sgmv.shrink(x, a, batch, num_slices)
+
+    def expand(self, h, b, batch, y, out_offsets) -> None:
+        torch.cuda.synchronize()
+        self.sgmv.expand(h, b, batch, y, out_offsets)
+
+
 @pytest.mark.parametrize("num_tokens, max_rank", [(1, 16), (8, 16), (64, 16), (64, 64)])
-def test_pdl_chain_equals_plain_launches(num_tokens, max_rank):
+def test_pdl_chain_equals_launches_one_at_a_time(num_tokens, max_rank):
     device = torch.device("cuda")
     if not hopper():
         pytest.skip("programmatic dependent launch needs Hopper or later")
@@ -74,9 +91,21 @@ def test_pdl_chain_equals_plain_launches(num_tokens, max_rank):
     if max_rank == 64:
         assert DEFAULT_TUNING.shrink_tiling(num_tokens, True, max_rank).live_items
 
-    plain = chain(x, weights, batch, plain_launches)
+    one_at_a_time = chain(x, weights, batch, OneAtATime(pdl))
     eager = chain(x, weights, batch, pdl)
-    assert torch.equal(eager, plain)
+    assert torch.equal(eager, one_at_a_time)
+
+    # Plain launches run other code, not only without overlap: a one-step shrink item under PDL
+    # reads its A block before the wait (PRELOAD_A), and Triton then lays the product out for
+    # another reduction tree, so its float32 sums round in another order. A rounding of h to
+    # bf16 may land one step apart, and the layers carry it on: close, not bit for bit. On an
+    # H200, seeds 0-3: one h entry in 5,232 one bf16 step apart after the first shrink at
+    # [64-64], 0 to 7.6e-4 of the norm after the chain in both 64-token cases, with or without
+    # live items; forcing PRELOAD_A off under PDL (or on without) gave plain's bits exactly. A
+    # read of stale x, h or y would be off by the size of the values.
+    plain = chain(x, weights, batch, plain_launches)
+    diff = (eager.float() - plain.float()).norm()
+    assert diff <= 1e-2 * plain.float().norm(), f"relative {diff / plain.float().norm():.2e}"
 
     chain(x, weights, batch, pdl)  # settle allocations before capture
     torch.cuda.synchronize()
@@ -86,4 +115,4 @@ def test_pdl_chain_equals_plain_launches(num_tokens, max_rank):
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, plain)
+        assert torch.equal(replayed, one_at_a_time)
