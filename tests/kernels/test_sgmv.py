@@ -114,13 +114,29 @@ TILINGS = {
 }
 
 
+def triton_backend(name: str):
+    """The Triton backend under the default tuning ("default") or one of TILINGS."""
+    if sgmv_triton is None:
+        pytest.skip("triton is not importable")
+    return get_backend("triton", DEFAULT_TUNING if name == "default" else TILINGS[name])
+
+
 @pytest.fixture(params=["default", *TILINGS])
 def sgmv(request):
     """The Triton backend under the default tuning, then under each of TILINGS."""
-    if sgmv_triton is None:
-        pytest.skip("triton is not importable")
-    return get_backend("triton", DEFAULT_TUNING if request.param == "default"
-                       else TILINGS[request.param])
+    return triton_backend(request.param)
+
+
+def sweep() -> list[tuple[str, str, str]]:
+    """(tuning, layout, batch) triples. Compiled on a GPU: every combination. In Triton's
+    interpreter, where each costs seconds: each tuning over every batch with the layouts in turn,
+    so that every pair of the three (tuning and layout, layout and batch, tuning and batch) is
+    still run."""
+    tunings, layouts, batches = ["default", *TILINGS], list(LAYOUTS), list(BATCHES)
+    if torch.cuda.is_available():
+        return [(t, lay, b) for t in tunings for lay in layouts for b in batches]
+    return [(t, layouts[(i + j) % len(layouts)], b)
+            for i, t in enumerate(tunings) for j, b in enumerate(batches)]
 
 
 def make_batch(
@@ -221,9 +237,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @needs_triton
 class TestTritonMatchesReference:
-    @pytest.mark.parametrize("batch_name", list(BATCHES))
-    @pytest.mark.parametrize("layout_name", list(LAYOUTS))
-    def test_shrink_then_expand(self, layout_name, batch_name, sgmv):
+    @pytest.mark.parametrize("tuning_name, layout_name, batch_name", sweep())
+    def test_shrink_then_expand(self, tuning_name, layout_name, batch_name):
+        sgmv = triton_backend(tuning_name)
         layout = LAYOUTS[layout_name]
         batch, a, b, x, y, max_rank = run_case(layout, batch_name)
         n = len(layout.outs)
