@@ -16,12 +16,6 @@ if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
-def pytest_xdist_auto_num_workers(config):
-    # One worker more than cores: the modules that start Ray Serve spend much of their time
-    # waiting on their cluster, and the spare worker runs other tests meanwhile.
-    return (os.cpu_count() or 1) + 1
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the markers
 def pytest_collection_modifyitems(config, items):
     gpu = torch.cuda.is_available()
