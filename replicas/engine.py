@@ -74,6 +74,8 @@ class Engine:
         self.num_steps = 0
         self.num_preemptions = 0  # running requests sent back to wait (KV cache full), recomputed
         self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
+        self.busy_s = 0.0  # summed step times: busy share = growth / wall time
+        self.num_finished = 0
         self._stalled = False
         self._timings: deque[StepTiming] = deque(maxlen=STEP_LOG)
 
@@ -174,6 +176,8 @@ class Engine:
             num_kv_blocks=self.blocks.num_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            busy_s=self.busy_s,
+            num_finished=self.num_finished,
         )
 
     def routing_stats(self) -> RoutingStats:
@@ -235,6 +239,7 @@ class Engine:
         )
         # The readback waited for the step's device work: this is the step's time.
         elapsed = time.monotonic() - started
+        self.busy_s += elapsed
         prefill_tokens = sum(s.num_new_tokens for s in sched.seqs if s.num_new_tokens > 1)
         self.adapters.after_step(loads, elapsed, prefill_tokens)
         self._timings.append(StepTiming(
@@ -264,6 +269,7 @@ class Engine:
             if status is not None:
                 self.scheduler.finish(request, status)
                 self.runner.forget(request.request_id)
+                self.num_finished += 1
             metrics = None
             if request.is_finished:
                 metrics = {"queue_s": request.queue_s or 0.0,

@@ -38,6 +38,8 @@ class EngineStats:
     num_kv_blocks: int
     num_running: int
     num_waiting: int
+    busy_s: float = 0.0  # time inside steps (start -> sampled tokens back): the device's busy time
+    num_finished: int = 0  # requests finished (stopped or at their length), aborts not counted
 
 
 @dataclass(frozen=True)
