@@ -88,7 +88,7 @@ class TestMetrics:
             "num_steps", "num_preemptions", "max_adapters_in_step", "adapter_disk_reads",
             "adapter_gpu_loads", "adapter_prefetch_loads", "adapter_hits", "adapter_misses",
             "adapter_read_seconds", "resident_adapters", "num_free_kv_blocks", "num_kv_blocks",
-            "num_running", "num_waiting",
+            "num_running", "num_waiting", "busy_s", "num_finished",
         }
         assert isinstance(stats["adapter_read_seconds"], list)
         assert len(stats["adapter_read_seconds"]) == stats["adapter_disk_reads"] == 1
@@ -96,6 +96,7 @@ class TestMetrics:
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] == 64
         assert stats["adapter_gpu_loads"] == stats["adapter_hits"] + stats["adapter_misses"] == 1
         assert stats["num_steps"] == 3 and stats["num_running"] == stats["num_waiting"] == 0
+        assert stats["num_finished"] == 1 and stats["busy_s"] > 0
 
 
 class TestControlPlane:
