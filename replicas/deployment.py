@@ -88,6 +88,10 @@ class EngineDeployment:
     async def stats(self) -> dict:
         return await self.engine.call(_engine_stats)
 
+    async def replica_stats(self) -> dict:
+        """`stats()` with this replica's id, for readings gathered from every replica."""
+        return {"replica_id": self.replica_id, **await self.stats()}
+
     async def report_stats(self) -> None:
         """Read `stats()` once into the metrics."""
         self.metrics.update(await self.stats())
