@@ -62,12 +62,15 @@ def make_adapter(
     target_modules: Iterable[str] = LORA_MODULES,
     use_rslora: bool = False,
     seed: int = 0,
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
 ) -> Path:
     """Write a LoRA adapter for `model_dir` with peft itself; return `out_dir`.
 
     `init_lora_weights=False` keeps torch's default Linear init for both A and B (PEFT's default
     would zero B, making the adapter a no-op); the init runs under `seed` without touching the
     caller's global RNG state. `lora_alpha` defaults to `rank` (scaling 1 without rsLoRA).
+    `rank_pattern` and `alpha_pattern` go to `LoraConfig` as they are (PEFT's module-name regexes).
     The weights are rounded to bfloat16 values (still saved as float32), like the models', so a
     bf16 engine loads exactly what the float32 reference runs.
     """
@@ -78,6 +81,8 @@ def make_adapter(
         lora_alpha=rank if lora_alpha is None else lora_alpha,
         target_modules=sorted(target_modules),
         use_rslora=use_rslora,
+        rank_pattern=dict(rank_pattern or {}),
+        alpha_pattern=dict(alpha_pattern or {}),
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -162,8 +167,9 @@ def hf_logits(
     return model(input_ids=torch.tensor([input_ids], dtype=torch.long)).logits[0].float()
 
 
-def sgmv_batch(lens: list[int], slots: list[int], ranks: tuple[int, ...],
-               scalings: tuple[float, ...], device) -> SgmvBatch:
+def sgmv_batch(
+    lens: list[int], slots: list[int], ranks: tuple[int, ...], scalings: tuple[float, ...], device
+) -> SgmvBatch:
     """SGMV metadata for segments of `lens` tokens laid end to end from token 0, segment i on
     slot `slots[i]`; slot s has rank `ranks[s]` and scaling `scalings[s]`."""
     ends = [sum(lens[: i + 1]) for i in range(len(lens))]
@@ -179,3 +185,58 @@ def sgmv_batch(lens: list[int], slots: list[int], ranks: tuple[int, ...],
         slot_scalings_host=tuple(scalings),
         num_tokens=ends[-1],
     )
+
+
+@torch.inference_mode()
+def hf_greedy_many(
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    adapter_dir: str | Path | None = None,
+) -> list[list[int]]:
+    """`hf_greedy` for several prompts over one load of the model (and adapter): the same ids,
+    for tests that need many references. Greedy tokens for fewer new tokens are a prefix."""
+    from transformers import DynamicCache
+
+    model = _load_model(model_dir, adapter_dir)
+    outs = []
+    for prompt_ids in prompts:
+        cache = DynamicCache()
+        step_input = torch.tensor([prompt_ids], dtype=torch.long)  # [1, S]
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=step_input, past_key_values=cache, use_cache=True).logits
+            out.append(int(logits[0, -1].argmax()))
+            step_input = torch.tensor([[out[-1]]], dtype=torch.long)  # [1, 1]
+        outs.append(out)
+    return outs
+
+
+def copy_model(model_dir: str | Path, out_dir: str | Path, **config_changes) -> Path:
+    """Copy a model folder into `out_dir` with `config_changes` written into its config.json
+    (e.g. `sliding_window=8`): the same weights under another config. Returns `out_dir`."""
+    import json
+    import shutil
+
+    out = Path(out_dir)
+    shutil.copytree(model_dir, out)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(config_changes)
+    config_path.write_text(json.dumps(config, indent=2))
+    return out
+
+
+def save_sharded(model_dir: str | Path, out_dir: str | Path, max_shard_size: str) -> Path:
+    """Save `model_dir`'s model again with transformers, in shards of at most `max_shard_size`
+    (with model.safetensors.index.json), beside its tokenizer and generation config."""
+    import shutil
+
+    out = Path(out_dir)
+    _load_model(model_dir).save_pretrained(
+        out, max_shard_size=max_shard_size, safe_serialization=True
+    )
+    for path in Path(model_dir).iterdir():
+        if path.suffix != ".safetensors" and not (out / path.name).exists():
+            shutil.copy(path, out / path.name)
+    return out

@@ -53,19 +53,25 @@ def forward_logits(engine: Engine, chunks: list[list[int]]) -> torch.Tensor:
         attn = AttentionBatch(
             q_starts=[0, len(chunk)],
             ctx_lens=[end],
-            slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)],
-                                      device=dev),
+            slot_mapping=torch.tensor(
+                [table[p // bs] * bs + p % bs for p in range(start, end)], device=dev
+            ),
             block_table=torch.tensor([table], dtype=torch.int32, device=dev),
             ctx_lens_t=torch.tensor([end], dtype=torch.int32, device=dev),
             q_starts_t=torch.tensor([0, len(chunk)], dtype=torch.int32, device=dev),
             block_size=bs,
             sliding_window=engine.spec.sliding_window,
         )
-        ctx = StepContext(attn, runner.lora_pool.make_batch([], [], len(chunk)), runner.kv_caches,
-                          runner.lora_pool)
+        ctx = StepContext(
+            attn,
+            runner.lora_pool.make_batch([], [], len(chunk)),
+            runner.kv_caches,
+            runner.lora_pool,
+        )
         with torch.inference_mode():
-            hidden = runner.model(torch.tensor(chunk, device=dev),
-                                  torch.arange(start, end, device=dev), ctx)
+            hidden = runner.model(
+                torch.tensor(chunk, device=dev), torch.arange(start, end, device=dev), ctx
+            )
             out.append(runner.model.logits(hidden))
         start = end
     return torch.cat(out)
@@ -84,3 +90,28 @@ def models(tmp_path_factory):
         "qwen3": make_model(root / "qwen3", arch="qwen3"),
         "llama-tied": make_model(root / "llama-tied", arch="llama", tie_word_embeddings=True),
     }
+
+
+def adapter_logits(engine: Engine, adapter: str, tokens: list[int]) -> torch.Tensor:
+    """The logits of one prefill of `tokens` with `adapter` in its slot (blocks 0..n of the
+    paged cache), [T, vocab]: the LoRA delta itself, not only the argmax of greedy outputs."""
+    engine.preload_adapter(adapter, into_slot=True)
+    slot = engine.adapters.slots.slot_of(adapter)
+    runner, bs, n = engine.runner, engine.config.block_size, len(tokens)
+    dev = runner.device
+    attn = AttentionBatch(
+        q_starts=[0, n],
+        ctx_lens=[n],
+        slot_mapping=torch.arange(n, device=dev),
+        block_table=torch.arange(-(-n // bs), dtype=torch.int32, device=dev).unsqueeze(0),
+        ctx_lens_t=torch.tensor([n], dtype=torch.int32, device=dev),
+        q_starts_t=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        block_size=bs,
+        sliding_window=engine.spec.sliding_window,
+    )
+    ctx = StepContext(
+        attn, runner.lora_pool.make_batch([n], [slot], n), runner.kv_caches, runner.lora_pool
+    )
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(tokens, device=dev), torch.arange(n, device=dev), ctx)
+        return runner.model.logits(hidden)
