@@ -17,6 +17,8 @@ device tensors and size their grids from static bounds.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from kernels.attention import AttentionBatch, AttentionFn
@@ -67,6 +69,8 @@ class _GraphedSteps:
         self.q_starts = torch.arange(seqs + 1, **i32)  # one token a row until a step says else
         self.seg_indptr = torch.zeros(segments + 1, **i32)
         self.seg_slots = torch.zeros(segments, **i32)
+        # bucket -> steps replayed from its graphs (a host-side count, for tests and metrics)
+        self.replays: Counter[int] = Counter()
 
     buckets: list[int]  # token counts captured, ascending
 
@@ -199,6 +203,7 @@ class DecodeGraphs(_GraphedSteps):
         one_token = all(length == 1 for length in step.seg_lens)
         key = (b, one_token or len(self.variants[b]) == 1)
         self.graphs[key].replay()
+        self.replays[b] += 1
         return self.hidden[key][:n]
 
 
@@ -296,4 +301,5 @@ class PrefillGraphs(_GraphedSteps):
                 for event in layer_waits[i]:
                     stream.wait_event(event)
             graph.replay()
+        self.replays[b] += 1
         return self.hidden[b][:n]
