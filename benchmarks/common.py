@@ -107,3 +107,13 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return "" if v is None else str(v)
+
+
+def append_table(path: str | Path, title: str, columns: list[str], rows: list[dict]) -> None:
+    """Add a titled table to a markdown results file written by `write_results`."""
+    lines = ["", f"## {title}", "", "| " + " | ".join(columns) + " |"]
+    lines.append("|" + " --- |" * len(columns))
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")

@@ -1,0 +1,119 @@
+"""The engine in-process on a loadgen request stream: no Ray, no HTTP, the same requests and
+arrival times as `run_load` sends, and `RequestRecord`s that `loadgen.metrics.summarize` turns
+into the same figures as the HTTP side.
+
+`drive(engine, specs, offsets)` adds each request when its arrival time comes (between steps,
+and while a step runs, as the served engine's inbox does), steps the engine until every request
+is done, and times each token as the host sees it come out of a step. A request's clock starts
+at its arrival, as an HTTP request's starts when it is sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks.loadgen.records import Outcome, RequestRecord
+from benchmarks.loadgen.workload import RequestSpec
+from replicas.engine import Engine, RequestRejected
+from replicas.request import Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class DriveResult:
+    records: list[RequestRecord]  # one per spec, in workload order
+    duration_s: float  # from the first arrival to the last token
+    busy_s: float  # the engine's time inside steps during the run
+    steps: int
+
+
+@dataclass
+class _Timeline:
+    spec: RequestSpec
+    offset: float  # arrival, seconds after the start
+    stamps: list[float]  # when each output token left a step (monotonic)
+    error: str | None = None
+    status: int | None = None
+
+
+def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]) -> DriveResult:
+    """Run `specs` (their adapters by name; base-model specs without one) arriving at
+    `offsets` seconds after the start, greedy, exactly `output_len` tokens each (EOS ignored)."""
+    if len(specs) != len(offsets):
+        raise ValueError(f"{len(specs)} specs but {len(offsets)} arrival offsets")
+    order = sorted(range(len(specs)), key=lambda i: offsets[i])
+    pending = [(float(offsets[i]), specs[i]) for i in order]
+    timelines: dict[str, _Timeline] = {}
+    before = engine.stats()
+    start = time.monotonic()
+    next_due = 0
+
+    def add_due() -> None:  # between steps and while one runs, as a server's inbox would
+        nonlocal next_due
+        now = time.monotonic() - start
+        while next_due < len(pending) and pending[next_due][0] <= now:
+            offset, spec = pending[next_due]
+            next_due += 1
+            rid = str(spec.index)
+            line = timelines[rid] = _Timeline(spec, offset, [])
+            if not isinstance(spec.prompt, tuple):
+                line.error, line.status = "the in-process driver takes token-id prompts", 400
+                continue
+            params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+            adapter = None if spec.is_base else spec.model
+            request = Request(rid, list(spec.prompt), params, adapter, arrival_time=start + offset)
+            try:
+                engine.add_request(request)
+            except RequestRejected as e:
+                line.error, line.status = str(e), e.status
+
+    while next_due < len(pending) or engine.has_work:
+        add_due()
+        if not engine.has_work:
+            if next_due < len(pending):
+                wait = pending[next_due][0] - (time.monotonic() - start)
+                time.sleep(min(0.001, max(0.0, wait)))
+            continue
+        outputs = engine.step(on_idle=add_due)
+        stamp = time.monotonic()  # the step's tokens are back on the host
+        for out in outputs:
+            line = timelines[out.request_id]
+            if out.new_token_ids:
+                line.stamps.extend([stamp] * len(out.new_token_ids))
+            if out.error:
+                line.error, line.status = out.error, 500
+        if engine.stalled:
+            time.sleep(0.0005)
+    end = max((t.stamps[-1] for t in timelines.values() if t.stamps), default=time.monotonic())
+    after = engine.stats()
+    return DriveResult(
+        records=[_record(timelines[str(s.index)], start) for s in specs],
+        duration_s=end - start,
+        busy_s=after.busy_s - before.busy_s,
+        steps=after.num_steps - before.num_steps,
+    )
+
+
+def _record(line: _Timeline, start: float) -> RequestRecord:
+    spec, offset = line.spec, line.offset
+    if line.error is not None or not line.stamps:
+        outcome = Outcome.HTTP_ERROR if line.status == 400 else Outcome.STREAM_ERROR
+        error = line.error or "no tokens"
+        return RequestRecord.of(spec, offset, outcome, status=line.status, error=error,
+                                sent_s=offset)  # fmt: skip
+    arrival = start + offset
+    stamps = line.stamps
+    return RequestRecord.of(
+        spec,
+        offset,
+        Outcome.OK,
+        status=200,
+        sent_s=offset,
+        ttft_s=stamps[0] - arrival,
+        e2e_s=stamps[-1] - arrival,
+        itl_s=tuple(b - a for a, b in zip(stamps[:-1], stamps[1:], strict=True)),
+        output_tokens=len(stamps),
+        prompt_tokens=spec.input_len,
+        num_chunks=len(stamps),
+    )
