@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -138,8 +138,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, adapters: AdapterGate):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockAllocator,
+        adapters: AdapterGate,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
+        self.clock = clock  # stamps admissions (a simulator passes its virtual clock)
         self.blocks = blocks
         self.adapters = adapters
         self.waiting: deque[Request] = deque()
@@ -253,7 +260,7 @@ class Scheduler:
             reserve += self._future_blocks(request, n)
             self.waiting.remove(request)
             if request.admitted_at is None:
-                request.admitted_at = time.monotonic()
+                request.admitted_at = self.clock()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.seqs.append(ScheduledSeq(request, n))

@@ -1,0 +1,159 @@
+"""Request streams for the simulator: the serving benchmark's own (the same seeded requests and
+arrival times `benchmarks/bench_router_serve.py` sends), or generated ones for policy studies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request: when the client sends it (seconds), its adapter (None: the base model),
+    prompt and output tokens."""
+
+    t: float
+    adapter: str | None
+    prompt: int
+    output: int
+
+    def __post_init__(self) -> None:
+        if self.t < 0 or self.prompt < 1 or self.output < 1:
+            raise ValueError(f"bad arrival {self}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """`warmup` runs first and is not measured. With `gap_s`, `measured` times count from
+    `gap_s` after the last warm-up request finished (the serving benchmark's warm-up, pause,
+    run); with None they are absolute, one continuous stream whose measured part starts at
+    its first arrival."""
+
+    warmup: tuple[Arrival, ...]
+    measured: tuple[Arrival, ...]
+    gap_s: float | None = 1.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.measured:
+            raise ValueError("a workload needs measured requests")
+        for part in (self.warmup, self.measured):
+            if any(a.t > b.t for a, b in itertools.pairwise(part)):
+                raise ValueError("arrivals must be in time order")
+
+
+def serving_benchmark(
+    *,
+    num_adapters: int,
+    slots: int,
+    replicas: int,
+    rate: float,
+    num_requests: int,
+    popularity: str,
+    input_len: tuple[int, int] = (128, 512),
+    output_len: tuple[int, int] = (32, 96),
+    seed: int = 0,
+) -> Workload:
+    """The requests of one cell of `benchmarks/bench_router_serve.py`, built by the same
+    loadgen calls (`workloads()` there): a warm-up over every adapter in turn, all at once with
+    short outputs, then the seeded workload at Poisson `rate`."""
+    from benchmarks.loadgen.arrivals import arrival_offsets
+    from benchmarks.loadgen.workload import LengthRange, WorkloadConfig, build_workload, rng_for
+
+    names = tuple(f"lora-{i}" for i in range(num_adapters))  # bench_router_serve.adapter_names
+
+    def specs(kind: str, count: int, seed_: int, out: LengthRange):
+        return build_workload(
+            WorkloadConfig(
+                num_prompts=count,
+                input_len=LengthRange(*input_len),
+                output_len=out,
+                adapters=names,
+                base_model="base",
+                popularity=kind,
+                seed=seed_,
+            )
+        )
+
+    warm_count = min(num_adapters, max(2, 4 * slots * replicas))
+    short = min(8, output_len[1])
+    warm = specs("distinct", warm_count, seed + 1, LengthRange(short, short))
+    measured = specs(popularity, num_requests, seed, LengthRange(*output_len))
+    # runner.run_load: Poisson (burstiness 1) offsets from the load's seed
+    offsets = arrival_offsets(len(measured), rate, 1.0, rng_for(seed, "arrivals"))
+
+    def arrival(t: float, spec) -> Arrival:
+        adapter = None if spec.is_base else spec.model
+        return Arrival(float(t), adapter, spec.input_len, spec.output_len)
+
+    return Workload(
+        warmup=tuple(arrival(0.0, s) for s in warm),
+        measured=tuple(arrival(t, s) for t, s in zip(offsets, measured, strict=True)),
+        gap_s=1.0,  # measure(): `asyncio.sleep(1.0)` after the warm-up
+        name=popularity,
+    )
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A generated stream. kind: "uniform", "zipf" (rank i drawn with weight 1/i^alpha),
+    "skewed" (weight alpha^i), or "bursty" (`phases` spans, each a Zipf(alpha) over a fresh
+    ranking, the rate alternating x(1 - burst) and x(1 + burst)). Popularity is not tied to
+    names (a shuffled ranking), so neither to their hashes."""
+
+    kind: str = "zipf"
+    alpha: float = 1.0
+    num_adapters: int = 64
+    num_requests: int = 2000
+    rate: float = 10.0
+    prompt: tuple[int, int] = (128, 512)
+    output: tuple[int, int] = (32, 96)
+    phases: int = 4
+    burst: float = 0.25
+    base_fraction: float = 0.0
+    warmup_fraction: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("uniform", "zipf", "skewed", "bursty"):
+            raise ValueError(f"unknown workload kind {self.kind!r}")
+        if self.kind == "skewed" and not 0 < self.alpha <= 1:
+            raise ValueError("a geometric (skewed) workload needs alpha in (0, 1]")
+        if not 0 <= self.burst < 1 or not 0 <= self.warmup_fraction < 1:
+            raise ValueError("burst and warmup_fraction must be in [0, 1)")
+
+    @property
+    def name(self) -> str:
+        return "uniform" if self.kind == "uniform" else f"{self.kind}{self.alpha:g}"
+
+    def build(self) -> Workload:
+        rng = random.Random(self.seed)
+        names = [f"adapter-{i:04d}" for i in range(self.num_adapters)]
+        phases = self.phases if self.kind == "bursty" else 1
+        per_phase = math.ceil(self.num_requests / phases)
+        out: list[Arrival] = []
+        t = 0.0
+        for phase in range(phases):
+            order = names[:]
+            rng.shuffle(order)
+            if self.kind == "uniform":
+                weights = [1.0] * len(order)
+            elif self.kind == "skewed":
+                weights = [self.alpha**i for i in range(len(order))]
+            else:
+                weights = [1.0 / (i + 1) ** self.alpha for i in range(len(order))]
+            rate = self.rate
+            if self.kind == "bursty":
+                rate *= 1 - self.burst if phase % 2 == 0 else 1 + self.burst
+            count = min(per_phase, self.num_requests - len(out))
+            for adapter in rng.choices(order, weights=weights, k=count):
+                t += rng.expovariate(rate)
+                pick: str | None = adapter
+                if self.base_fraction and rng.random() < self.base_fraction:
+                    pick = None
+                out.append(Arrival(t, pick, rng.randint(*self.prompt), rng.randint(*self.output)))
+        split = int(self.warmup_fraction * len(out))
+        return Workload(tuple(out[:split]), tuple(out[split:]), gap_s=None, name=self.name)
