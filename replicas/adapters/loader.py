@@ -1,8 +1,21 @@
 """Reading PEFT LoRA adapters from disk, validated against the base model.
 
-Two levels: `read_adapter_config` is cheap (the folder and its JSON; the ingress uses it to reject a
-bad adapter before any request is queued) and `load_adapter` reads and checks every tensor.
-Pickle weights (`adapter_model.bin`) are refused: loading them can run arbitrary code.
+Three levels: `read_adapter_config` is cheap (the folder and its JSON; the ingress uses it to reject
+a bad adapter before any request is queued); `check_adapter_files` adds the weights file's header
+(at most `MAX_HEADER_BYTES`, no tensor data), every tensor's name, dtype, shape and byte range
+checked against the config and, given one, the model -- what a load answers 400 with; and
+`load_adapter` reads the tensors, under the same checks. Pickle weights (`adapter_model.bin`) are
+refused: loading them can run arbitrary code.
+
+What the layout check enforces, tensor by tensor: a name of the form
+`...layers.<i>.(self_attn|mlp).<target>.lora_(A|B)[.<adapter>].weight`; a floating-point dtype; a
+target and layer the config applies LoRA to (`target_modules`, `layers_to_transform`,
+`exclude_modules`, as PEFT matches them) and a layer the model has; A [r, in] and B [out, r] with
+`r` the module's rank in the config (`rank_pattern`, else `r`) and in/out the model's. And the
+other way round: every module the config applies to has both A and B. PEFT itself would load an
+adapter with missing modules (it warns "Found missing adapter keys" and leaves them at their
+initialisation, B = 0: no change), and would fail on a shape mismatch; a file that disagrees with
+its config is a broken export, so both are refused here.
 """
 
 from __future__ import annotations
@@ -44,6 +57,9 @@ class AdapterConfig:
     target_modules: tuple[str, ...]
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
+    target_regex: str | None = None  # target_modules given as one regex over module names
+    layers_to_transform: tuple[int, ...] | None = None  # None: every layer
+    exclude_modules: str | tuple[str, ...] | None = None  # a regex, or names matched as suffixes
 
     def scaling(self, rank: int | None = None, alpha: float | None = None) -> float:
         r = self.rank if rank is None else rank
@@ -55,6 +71,37 @@ class AdapterConfig:
             if re.fullmatch(rf"(.*\.)?{pattern}", module):
                 return float(alpha)
         return self.lora_alpha
+
+    def module_rank(self, module: str) -> int:
+        """The rank PEFT gives `module` (a full name, `model.layers.0.self_attn.q_proj`): the
+        first `rank_pattern` key matching its end at a name boundary, else `r`."""
+        for pattern, rank in self.rank_pattern.items():
+            if re.match(rf"(.*\.)?({pattern})$", module):
+                return int(rank)
+        return self.rank
+
+    def applies_to(self, layer: int, target: str) -> bool:
+        """Whether the config puts LoRA on `target` of `layer`, as PEFT decides it: the
+        `target_modules` regex over the module's full name, or the list of targets within
+        `layers_to_transform`; never a module of `exclude_modules`."""
+        module = module_name(layer, target)
+        excluded = self.exclude_modules
+        if isinstance(excluded, str):
+            if re.fullmatch(excluded, module):
+                return False
+        elif excluded and any(module == x or module.endswith(f".{x}") for x in excluded):
+            return False
+        if self.target_regex is not None:
+            return re.fullmatch(self.target_regex, module) is not None
+        if target not in self.target_modules:
+            return False
+        return self.layers_to_transform is None or layer in self.layers_to_transform
+
+
+def module_name(layer: int, target: str) -> str:
+    """The full name of a projection in a Llama-family model, as PEFT's patterns see it."""
+    parent = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"model.layers.{layer}.{parent}.{target}"
 
 
 @dataclass(frozen=True)
@@ -97,7 +144,7 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
         raise AdapterError(f"{config_path} must hold a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{config_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    for flag in ("use_dora",):
+    for flag in ("use_dora", "lora_bias", "target_parameters", "trainable_token_indices"):
         if cfg.get(flag):
             raise AdapterError(f"{config_path}: {flag} adapters are not supported")
     if cfg.get("bias", "none") != "none":
@@ -116,14 +163,23 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
             f"adapter {root.name!r} has rank {top_rank}, above max_lora_rank {max_lora_rank}"
         )
     targets = cfg.get("target_modules") or []
+    target_regex = None
     if targets == "all-linear":  # PEFT's shorthand for every linear layer but the LM head
         targets = list(LORA_TARGETS)
     elif isinstance(targets, str):  # a regex over module names
-        pattern = targets
+        target_regex = targets
+        try:
+            re.compile(target_regex)
+        except re.error as e:
+            raise AdapterError(f"{config_path}: target_modules is not a valid regex: {e}") from e
         targets = [
-            t for t in LORA_TARGETS
-            if any(re.fullmatch(pattern, f"model.layers.0.{parent}.{t}")
-                   for parent in ("self_attn", "mlp"))
+            t
+            for t in LORA_TARGETS
+            if any(
+                re.fullmatch(target_regex, f"model.layers.{layer}.{parent}.{t}")
+                for parent in ("self_attn", "mlp")
+                for layer in range(_REGEX_PROBE_LAYERS)
+            )
         ]
     if not targets:
         raise AdapterError(f"{config_path}: target_modules names none of {list(LORA_TARGETS)}")
@@ -147,11 +203,68 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
         target_modules=tuple(targets),
         rank_pattern=dict(rank_pattern),
         alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
+        target_regex=target_regex,
+        layers_to_transform=_layer_list(cfg.get("layers_to_transform"), config_path),
+        exclude_modules=_excluded(cfg.get("exclude_modules"), config_path),
     )
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-           "BF16": torch.bfloat16}
+# A regex `target_modules` is probed on this many layers to learn which targets it names at all.
+_REGEX_PROBE_LAYERS = 128
+
+
+def _layer_list(value: object, config_path: Path) -> tuple[int, ...] | None:
+    if value is None or value == []:
+        return None
+    layers = [value] if isinstance(value, int) else value
+    if not isinstance(layers, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers
+    ):
+        raise AdapterError(
+            f"{config_path}: layers_to_transform must be a layer index or a list of them, "
+            f"got {value!r}"
+        )
+    return tuple(layers)
+
+
+def _excluded(value: object, config_path: Path) -> str | tuple[str, ...] | None:
+    if not value:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(x, str) for x in value):
+        return tuple(value)
+    raise AdapterError(f"{config_path}: exclude_modules must be a regex or a list of names")
+
+
+# safetensors dtypes: bytes per element of each (so every entry's byte range is checked), and
+# the torch dtype of the floating-point ones (the only ones an adapter may hold).
+_ITEMSIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+# The most header bytes read before giving up on a file: far above any LoRA adapter's (an
+# 80-layer, all-projection adapter lists 1,120 tensors in about 200 KB), far below memory.
+MAX_HEADER_BYTES = 16 << 20
+
+
+class SafetensorsError(ValueError):
+    """A weights file that is not well-formed safetensors."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +275,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int  # byte offsets into the whole file
     end: int
+    dtype_name: str = ""  # as the header spells it
 
 
 @dataclass(frozen=True)
@@ -224,9 +338,11 @@ def _read_bytes(path: Path, max_bytes: int) -> np.ndarray:
         fd = f.fileno()
         size = os.fstat(fd).st_size
         if size > max_bytes:
-            raise FileTooLarge(f"{size} bytes, above the {max_bytes} any LoRA adapter of this "
-                               "model within max_lora_rank can take; does it hold other "
-                               "weights, such as embeddings?")
+            raise FileTooLarge(
+                f"{size} bytes, above the {max_bytes} any LoRA adapter of this "
+                "model within max_lora_rank can take; does it hold other "
+                "weights, such as embeddings?"
+            )
         data = np.empty(size, dtype=np.uint8)
         step = max(READ_CHUNK, -(-size // HOST_THREADS))
 
@@ -243,90 +359,226 @@ def _read_bytes(path: Path, max_bytes: int) -> np.ndarray:
     return data
 
 
-def _read_safetensors(
-    path: Path, max_bytes: int
-) -> tuple[torch.Tensor, dict[str, TensorEntry]]:
-    """The file's bytes and its tensor table; ValueError or OSError if it is not safetensors
-    or larger than `max_bytes`."""
-    data = _read_bytes(path, max_bytes)
-    if len(data) < 8:
-        raise ValueError(f"{len(data)} bytes, shorter than the header size field")
-    header_len = int.from_bytes(data[:8].tobytes(), "little")
-    if header_len == 0 or 8 + header_len > len(data):
-        raise ValueError(f"header of {header_len} bytes in a file of {len(data)}")
+def parse_safetensors_header(header: bytes, file_size: int) -> dict[str, TensorEntry]:
+    """The tensor table of a safetensors file from its header (the JSON after the 8-byte
+    length), every entry checked against the file's `file_size` bytes: a JSON object without
+    repeated keys; each tensor a known dtype, a shape of non-negative integers and a byte range
+    of exactly that shape's size; the ranges laid end to end from the start of the data to the
+    end of the file, as safetensors writes them (no gap, no overlap, nothing after the last one;
+    the safetensors library refuses such files too). Raises SafetensorsError."""
+    base = 8 + len(header)
     try:
-        header = json.loads(data[8 : 8 + header_len].tobytes())
+        table = json.loads(header, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"header is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    base, size = 8 + header_len, len(data)
+        raise SafetensorsError(f"its header is not JSON: {e}") from e
+    if not isinstance(table, dict):
+        raise SafetensorsError("its header is not a JSON object")
+    metadata = table.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsError("its __metadata__ is not an object of strings")
     entries = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
+    data_size = file_size - base
+    for key, info in table.items():
         try:
+            if set(info) != {"dtype", "shape", "data_offsets"}:
+                raise ValueError
             dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            shape = tuple(int(n) for n in shape)
-            begin, end = int(begin), int(end)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"tensor {key!r} has a malformed entry") from e
-        dtype = _DTYPES.get(dtype_name)  # None: not floating point, refused by the caller
-        if not 0 <= begin <= end <= size - base:
-            raise ValueError(f"tensor {key!r} lies outside the file (truncated?)")
-        if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"tensor {key!r}: {end - begin} bytes for shape {list(shape)}")
-        entries[key] = TensorEntry(dtype, shape, base + begin, base + end)
+            if not (
+                isinstance(shape, list)
+                and all(_is_count(n) for n in shape)
+                and _is_count(begin)
+                and _is_count(end)
+                and isinstance(dtype_name, str)
+            ):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise SafetensorsError(
+                f"tensor {key!r} has a malformed entry (dtype, shape and data_offsets): {info!r}"
+            ) from None
+        if dtype_name not in _ITEMSIZES:
+            raise SafetensorsError(f"tensor {key!r} has an unknown dtype {dtype_name!r}")
+        want = math.prod(shape) * _ITEMSIZES[dtype_name]
+        if end - begin != want:
+            raise SafetensorsError(
+                f"tensor {key!r}: data_offsets [{begin}, {end}) hold {end - begin} bytes, but "
+                f"{dtype_name} {shape} takes {want}"
+            )
+        if end > data_size:
+            raise SafetensorsError(
+                f"tensor {key!r} needs bytes [{begin}, {end}) of the data, which has only "
+                f"{data_size} (the file is truncated?)"
+            )
+        entries[key] = TensorEntry(
+            _DTYPES.get(dtype_name), tuple(shape), base + begin, base + end, dtype_name
+        )
+    at = base
+    for key, entry in sorted(entries.items(), key=lambda item: item[1].start):
+        if entry.start != at:
+            what = "overlaps the tensor before it" if entry.start < at else "leaves a gap"
+            raise SafetensorsError(f"tensor {key!r} {what} (data_offsets out of order)")
+        at = entry.end
+    if at != file_size:
+        raise SafetensorsError(f"{file_size - at} bytes follow the last tensor's data")
+    return entries
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        repeated = next(k for k in keys if keys.count(k) > 1)
+        raise SafetensorsError(f"its header names {repeated!r} twice")
+    return dict(pairs)
+
+
+def _is_count(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _header_length(first8: bytes, file_size: int) -> int:
+    if file_size < 8:
+        raise SafetensorsError(f"{file_size} bytes, shorter than the header size field")
+    n = int.from_bytes(first8, "little")
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise SafetensorsError(
+            f"its header claims {n} bytes; a LoRA adapter's takes 1 to {MAX_HEADER_BYTES}"
+        )
+    if 8 + n > file_size:
+        raise SafetensorsError(f"its header claims {n} bytes of a {file_size}-byte file")
+    return n
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """The checked tensor table of a safetensors file (`parse_safetensors_header`), reading
+    only its header: nothing of the tensor data, at most `MAX_HEADER_BYTES`. Raises
+    SafetensorsError or OSError."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = _header_length(f.read(8), size)
+        header = f.read(n)
+    if len(header) != n:
+        raise SafetensorsError("the file shrank while its header was read")
+    return parse_safetensors_header(header, size)
+
+
+def _read_safetensors(path: Path, max_bytes: int) -> tuple[torch.Tensor, dict[str, TensorEntry]]:
+    """The file's bytes and its checked tensor table; SafetensorsError or OSError if it is not
+    safetensors, FileTooLarge if larger than `max_bytes`."""
+    data = _read_bytes(path, max_bytes)
+    n = _header_length(data[:8].tobytes(), len(data))
+    entries = parse_safetensors_header(data[8 : 8 + n].tobytes(), len(data))
     return torch.from_numpy(data), entries
+
+
+Pairs = dict[tuple[int, str], tuple[TensorEntry, TensorEntry]]  # (layer, target) -> (A, B)
+
+
+def check_layout(
+    name: str, config: AdapterConfig, entries: dict[str, TensorEntry], spec: ModelSpec | None
+) -> Pairs:
+    """Match a weights file's tensors to the modules `config` puts LoRA on; raises AdapterError
+    (400) naming the first tensor that does not fit (see the module docstring for the rules).
+    Without `spec` (the ingress, which has no model), what needs the model is left out: the
+    layer count, in/out sizes, and modules missing from layers the file has no tensor for."""
+    found: dict[tuple[int, str], dict[str, tuple[str, TensorEntry]]] = {}
+    for key, entry in entries.items():
+        m = _KEY.match(key)
+        if m is None or m.group(2) not in LORA_TARGETS:
+            raise AdapterError(
+                f"adapter {name!r}: unsupported tensor {key!r} (only lora_A/lora_B weights of "
+                f"{', '.join(LORA_TARGETS)})"
+            )
+        layer, target, which = int(m.group(1)), m.group(2), m.group(3)
+        if spec is not None and layer >= spec.num_layers:
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} is for layer {layer}; the model has "
+                f"{spec.num_layers} (0..{spec.num_layers - 1})"
+            )
+        if not config.applies_to(layer, target):
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} is for {module_name(layer, target)}, which "
+                f"{CONFIG_FILE} does not target"
+            )
+        if entry.dtype is None:
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} is {entry.dtype_name}, not floating point"
+            )
+        earlier = found.setdefault((layer, target), {}).get(which)
+        if earlier is not None:
+            raise AdapterError(
+                f"adapter {name!r}: tensors {earlier[0]!r} and {key!r} are the same lora_{which}"
+            )
+        found[(layer, target)][which] = (key, entry)
+    if not found:
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    layers = range(spec.num_layers) if spec is not None else sorted({k[0] for k in found})
+    missing = [
+        f"{module_name(layer, target)}.lora_{which}"
+        for layer in layers
+        for target in LORA_TARGETS
+        if config.applies_to(layer, target)
+        for which in "AB"
+        if which not in found.get((layer, target), {})
+    ]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise AdapterError(
+            f"adapter {name!r}: {CONFIG_FILE} targets {missing[0].rsplit('.', 1)[0]}, but "
+            f"{WEIGHTS_FILE} has no {missing[0].rsplit('.', 1)[1]} for it{more}"
+        )
+    pairs: Pairs = {}
+    for (layer, target), ab in sorted(found.items()):
+        r = config.module_rank(module_name(layer, target))
+        d_in, d_out = spec.lora_dims(target) if spec is not None else (None, None)
+        for which, want in (("A", (r, d_in)), ("B", (d_out, r))):
+            key, entry = ab[which]
+            if len(entry.shape) != 2 or any(
+                w is not None and got != w for got, w in zip(entry.shape, want, strict=True)
+            ):
+                need = ", ".join("any" if w is None else str(w) for w in want)
+                raise AdapterError(
+                    f"adapter {name!r}: tensor {key!r} has shape {list(entry.shape)}; expected "
+                    f"[{need}] (rank {r} in {CONFIG_FILE}"
+                    + (", the model's sizes)" if spec is not None else ")")
+                )
+        pairs[(layer, target)] = (ab["A"][1], ab["B"][1])
+    return pairs
+
+
+def check_adapter_files(
+    name: str, path: str | Path, max_lora_rank: int, spec: ModelSpec | None = None
+) -> AdapterConfig:
+    """`read_adapter_config`, then the weights file's header and every tensor's layout
+    (`check_layout`), without reading any tensor data: what a load is refused for (400). Raises
+    AdapterError."""
+    config = read_adapter_config(path, max_lora_rank)
+    try:
+        entries = read_safetensors_header(config.path / WEIGHTS_FILE)
+    except (OSError, SafetensorsError) as e:
+        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is unreadable ({e})") from e
+    check_layout(name, config, entries, spec)
+    return config
 
 
 def read_adapter_file(
     name: str, path: str | Path, spec: ModelSpec, max_lora_rank: int
 ) -> AdapterFile:
-    """Read an adapter's weights and check every tensor's name, shape, dtype and rank."""
+    """Read an adapter's weights, with every tensor checked as `check_adapter_files` does."""
     config = read_adapter_config(path, max_lora_rank)
     try:
-        raw, entries = _read_safetensors(config.path / WEIGHTS_FILE,
-                                         max_file_bytes(spec, max_lora_rank))
+        raw, entries = _read_safetensors(
+            config.path / WEIGHTS_FILE, max_file_bytes(spec, max_lora_rank)
+        )
     except FileTooLarge as e:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is too large ({e})") from e
     except (OSError, ValueError) as e:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is unreadable ({e})") from e
-    found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
-    for key, entry in entries.items():
-        m = _KEY.match(key)
-        if m is None or m.group(2) not in LORA_TARGETS:
-            raise AdapterError(f"adapter {name!r}: unsupported tensor {key!r}")
-        layer, target, which = int(m.group(1)), m.group(2), m.group(3)
-        if layer >= spec.num_layers:
-            raise AdapterError(
-                f"adapter {name!r}: layer {layer} beyond the model's {spec.num_layers}"
-            )
-        found.setdefault((layer, target), {})[which] = entry
-    if not found:
-        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    pairs, ratios = {}, {}
-    for (layer, target), ab in sorted(found.items()):
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"adapter {name!r}: layer {layer} {target} lacks lora_A or lora_B")
-        a, b = ab["A"], ab["B"]
-        d_in, d_out = spec.lora_dims(target)
-        r = a.shape[0] if a.shape else 0
-        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
-            raise AdapterError(
-                f"adapter {name!r}: layer {layer} {target} has A {list(a.shape)} and "
-                f"B {list(b.shape)}; the model needs A [r, {d_in}] and B [{d_out}, r]"
-            )
-        if r > max_lora_rank:
-            raise AdapterError(f"adapter {name!r}: rank {r} above max_lora_rank {max_lora_rank}")
-        if a.dtype is None or b.dtype is None:
-            raise AdapterError(f"adapter {name!r}: layer {layer} {target} is not floating point")
-        parent = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-        module = f"model.layers.{layer}.{parent}.{target}"
-        ratio = config.scaling(r, config.alpha_for(module)) / config.scaling()
+    pairs = check_layout(name, config, entries, spec)
+    ratios = {}
+    for (layer, target), (a, _) in pairs.items():
+        module = module_name(layer, target)
+        ratio = config.scaling(a.shape[0], config.alpha_for(module)) / config.scaling()
         if ratio != 1.0:
             ratios[(layer, target)] = ratio
-        pairs[(layer, target)] = (a, b)
     return AdapterFile(name, config, raw, pairs, ratios)
 
 

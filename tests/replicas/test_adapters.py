@@ -97,10 +97,9 @@ class TestValidation:
             with pytest.raises(AdapterError, match="too large.*embeddings"):
                 load_adapter("t", path, spec, 16)
         with open(path / "adapter_model.safetensors", "r+b") as f:
-            f.truncate(limit)  # at the limit: read as usual (bytes past the tensors are unused)
-        want = load_adapter("g", good_adapter, spec, 16).modules
-        got = load_adapter("t", path, spec, 16).modules
-        assert all(torch.equal(got[k][1], b) for k, (_, b) in want.items())
+            f.truncate(limit)  # at the limit: read, then refused for the bytes past the tensors
+        with pytest.raises(AdapterError, match="follow the last tensor"):
+            load_adapter("t", path, spec, 16)
 
     def test_a_file_read_in_ranges_gives_the_same_weights(self, models, good_adapter,
                                                            monkeypatch):
@@ -151,7 +150,8 @@ class TestValidation:
             load_adapter("i", path, ModelSpec.from_dir(models["llama"]), 16)
 
     def test_shapes_checked_against_the_model(self, models, good_adapter):
-        with pytest.raises(AdapterError, match="the model needs A"):
+        with pytest.raises(AdapterError, match=r"q_proj.lora_B.weight' has shape \[64, 8\]; "
+                           r"expected \[128, 8\]"):
             load_adapter("x", good_adapter, ModelSpec.from_dir(models["qwen3"]), 16)
 
     def test_corrupt_adapter_fails_its_request_only(self, models, good_adapter, tmp_path):
