@@ -14,10 +14,19 @@ one answer or exception per replica. Two limits shape what is built on it here:
 
 A replica that Serve skips at send time (dead, or unreachable at that moment) gives no answer at
 all; one that starts later does not receive the call.
+
+Generation goes through the same handle under the caller's lease (`LeaseKeeper`): while this
+ingress has requests in flight, one broadcast per `RENEW_S` tells every engine replica that it
+is alive; when it dies, the renewals stop and the engines abort its requests within `LEASE_S`
+(see `replicas/leases.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +38,10 @@ if TYPE_CHECKING:
 # Time a broadcast may take beyond what the replicas are asked to bound themselves to.
 BROADCAST_GRACE_S = 2.0
 CONTROL_TIMEOUT_S = 30.0  # load/unload: the engine only checks the folder's config
+RENEW_S = 0.5  # how often an ingress with requests in flight renews its lease on the engines
+LEASE_S = 2.0  # how long a renewal lasts: several renewals, so one late renewal costs nothing
+
+logger = logging.getLogger("ray.serve")
 
 
 @dataclass(frozen=True)
@@ -81,11 +94,62 @@ class FleetClient(Protocol):
         ...
 
 
+class LeaseKeeper:
+    """This caller's lease on the engine replicas: `hold()` when a request is sent, `release()`
+    when its stream ends; while any is held, `renew(caller_id, lease_s)` runs every `renew_s`
+    (one call for all the requests in flight, none while idle). A request itself renews the
+    lease where it lands, so renewals start only `renew_s` after the first hold. `renew` must
+    not raise for long: a failed renewal is logged and the next one comes on time."""
+
+    def __init__(
+        self,
+        renew: Callable[[str, float], Awaitable[object]],
+        *,
+        renew_s: float = RENEW_S,
+        lease_s: float = LEASE_S,
+        caller_id: str | None = None,
+    ) -> None:
+        self.caller_id = caller_id or uuid.uuid4().hex
+        self.renew_s = renew_s
+        self.lease_s = lease_s
+        self.num_renewals = 0
+        self._renew = renew
+        self._held = 0
+        self._task: asyncio.Task | None = None
+
+    @property
+    def num_held(self) -> int:
+        return self._held
+
+    def hold(self) -> None:
+        self._held += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._keep())
+
+    def release(self) -> None:
+        self._held -= 1
+
+    async def _keep(self) -> None:
+        while self._held > 0:
+            await asyncio.sleep(self.renew_s)
+            if self._held == 0:
+                return
+            try:
+                await asyncio.wait_for(self._renew(self.caller_id, self.lease_s), self.renew_s)
+            except Exception as e:  # the next renewal comes on time
+                logger.warning("renewing the engine lease failed: %r", e)
+            self.num_renewals += 1
+
+
 class ServeFleetClient:
     """`FleetClient` over a handle to the engine deployment."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
+        self.lease = LeaseKeeper(self._renew_lease)
+
+    async def _renew_lease(self, caller_id: str, lease_s: float) -> None:
+        await self._broadcast(self.lease.renew_s, "renew_lease", caller_id, lease_s)
 
     async def served_adapters(self) -> FleetView:
         answer = await self._handle.served_adapters.remote()
@@ -94,9 +158,7 @@ class ServeFleetClient:
     async def broadcast_load_adapter(
         self, name: str, path: str, pinned: bool, load_id: str
     ) -> list[ReplicaReply]:
-        return await self._broadcast(
-            CONTROL_TIMEOUT_S, "load_adapter", name, path, pinned, load_id
-        )
+        return await self._broadcast(CONTROL_TIMEOUT_S, "load_adapter", name, path, pinned, load_id)
 
     async def broadcast_unload_adapter(
         self, name: str, load_id: str | None = None
@@ -104,9 +166,7 @@ class ServeFleetClient:
         return await self._broadcast(CONTROL_TIMEOUT_S, "unload_adapter", name, load_id)
 
     async def adapter_reports(self, timeout_s: float) -> list[ReplicaReply]:
-        replies = await self._broadcast(
-            timeout_s + BROADCAST_GRACE_S, "adapter_report", timeout_s
-        )
+        replies = await self._broadcast(timeout_s + BROADCAST_GRACE_S, "adapter_report", timeout_s)
         return [
             ReplicaReply(reply.value.get("replica_id"), reply.value)
             if reply.ok and isinstance(reply.value, dict)

@@ -108,9 +108,11 @@ class ServeEngineClient(ServeFleetClient):
             ReplicaUnavailableError,
         )
 
+        # Under this ingress's lease: the engine aborts the request if this process dies.
         response = self._handle.options(
             stream=True, multiplexed_model_id=request.adapter or ""
-        ).generate.remote(request)
+        ).generate.remote(request, self.lease.caller_id, self.lease.lease_s)
+        self.lease.hold()
         finished = False
         try:
             async for chunk in response:
@@ -131,6 +133,7 @@ class ServeEngineClient(ServeFleetClient):
                 ),
             )
         finally:
+            self.lease.release()
             if not finished:
                 response.cancel()  # the replica's generator is cancelled, which aborts the request
 

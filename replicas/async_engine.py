@@ -39,6 +39,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopped = False
         self._held: tuple[str, object] | None = None  # taken from the inbox mid-step, not run
+        self.num_aborted = 0  # live requests aborted (caller closed, or abandoned); engine thread
         self._thread = threading.Thread(target=self._run, name="lorafleet-engine", daemon=True)
         self.last_error: BaseException | None = None
 
@@ -78,7 +79,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request.request_id, None)
             if not finished:
-                self._post("abort", request.request_id)
+                self._post("abort", (request.request_id, None))
 
     async def call(self, fn, *args):
         """Run `fn(engine, *args)` on the engine thread between steps; returns its result or
@@ -87,6 +88,13 @@ class AsyncEngine:
         future = loop.create_future()
         self._post("call", (fn, args, loop, future))
         return await future
+
+    def abort(self, request_id: str, message: str) -> None:
+        """Abort a request whose caller is gone without closing its stream (a dead ingress):
+        between steps, the engine frees its KV blocks and slot hold, and its stream ends with an
+        error chunk carrying `message` (503), so the generator serving it returns. Nothing to
+        wait for; an unknown or finished request is ignored."""
+        self._post("abort", (request_id, message))
 
     def hint(self, hints: list[tuple[str, float]]) -> None:
         """Adapters expected soon, (name, seconds until needed) each: the prefetcher starts on
@@ -152,9 +160,12 @@ class AsyncEngine:
                 else:
                     loop.call_soon_threadsafe(_settle, future, result, None)
             elif kind == "abort":
-                output = self.engine.abort(item)
-                if output is not None:
-                    logger.debug("aborted request %s", item)
+                request_id, message = item
+                if self.engine.abort(request_id) is not None:
+                    self.num_aborted += 1
+                    logger.debug("aborted request %s", request_id)
+                    if message is not None:
+                        self._send(request_id, _error_chunk(request_id, message, 503))
 
     def _add(self, request: GenerateRequest) -> None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
@@ -13,6 +14,7 @@ from ray import serve
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine import Engine, RequestRejected
+from replicas.leases import CallerLeases
 from replicas.protocol import GenerateChunk, GenerateRequest
 
 logger = logging.getLogger("ray.serve")
@@ -21,6 +23,8 @@ STATS_PERIOD_S = 1.0
 ROUTING_STATS_TIMEOUT_S = 0.5
 RESIDENCY_PERIOD_S = 0.1  # how often a replica checks whether its adapter residency changed
 WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+LEASE_S = 2.0  # a caller's lease when it names none (see replicas/leases.py)
+LEASE_SWEEP_S = 0.25  # how often a replica aborts the requests of callers whose lease lapsed
 LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
@@ -39,6 +43,7 @@ class EngineDeployment:
         engine_cls: type[Engine] = Engine,
         metrics: EngineMetrics | None = None,
         stats_period_s: float = STATS_PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if prepare is not None:
             prepare()
@@ -47,9 +52,12 @@ class EngineDeployment:
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.set_slot_capacity(config.max_loras_per_batch)
         self._load_ids: dict[str, str] = {}  # adapter -> the load that registered it here
+        self.leases = CallerLeases(clock)
+        self.num_abandoned = 0  # requests aborted because their caller's lease lapsed
         self.engine = AsyncEngine(engine_cls(config))
         self.engine.start()
         self._stats_task: asyncio.Task | None = None
+        self._lease_task: asyncio.Task | None = None
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -57,6 +65,9 @@ class EngineDeployment:
         if loop is not None:
             self._stats_task = loop.create_task(
                 _every(stats_period_s, self.report_stats, "reading engine stats for metrics")
+            )
+            self._lease_task = loop.create_task(
+                _every(LEASE_SWEEP_S, self.abort_abandoned, "aborting abandoned requests")
             )
         self._routing_stats: dict[str, Any] | None = None  # the last answer, for slow engines
         self._published: dict[str, list[str]] | None = None  # residency last pushed to Serve
@@ -71,11 +82,33 @@ class EngineDeployment:
             ]
         logger.info("engine replica ready on %s with model %s", config.device, config.model)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        async for chunk in self.engine.generate(request):
-            if chunk.metrics is not None:
-                self.metrics.request_finished(request.adapter is not None, chunk.metrics)
-            yield chunk
+    async def generate(
+        self, request: GenerateRequest, caller: str | None = None, lease_s: float = LEASE_S
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's chunks. `caller` (the sending ingress's id) puts the request
+        under that caller's lease, renewed for `lease_s` by this call and by `renew_lease`:
+        when it lapses, the request is aborted (`abort_abandoned`)."""
+        if caller is not None:
+            self.leases.track(request.request_id, caller, lease_s)
+        try:
+            async for chunk in self.engine.generate(request):
+                if chunk.metrics is not None:
+                    self.metrics.request_finished(request.adapter is not None, chunk.metrics)
+                yield chunk
+        finally:
+            self.leases.release(request.request_id)
+
+    async def renew_lease(self, caller: str, lease_s: float) -> None:
+        """`caller` is alive: its requests here may run for `lease_s` more seconds."""
+        self.leases.renew(caller, lease_s)
+
+    async def abort_abandoned(self) -> None:
+        """Abort the requests whose caller's lease lapsed (every `LEASE_SWEEP_S` under Serve):
+        their callers are gone, so no one would close their streams."""
+        for request_id in self.leases.expired():
+            self.num_abandoned += 1
+            logger.warning("aborting request %s: its caller stopped renewing its lease", request_id)
+            self.engine.abort(request_id, "the request's caller went away (its lease lapsed)")
 
     async def info(self) -> dict:
         engine = self.engine.engine
@@ -86,7 +119,12 @@ class EngineDeployment:
         }
 
     async def stats(self) -> dict:
-        return await self.engine.call(_engine_stats)
+        """The engine's `EngineStats`, plus `num_aborted` (live requests aborted: the caller
+        closed the stream, or went away) and `num_abandoned` (those whose caller's lease lapsed)."""
+        stats = await self.engine.call(_engine_stats)
+        stats["num_aborted"] = self.engine.num_aborted
+        stats["num_abandoned"] = self.num_abandoned
+        return stats
 
     async def replica_stats(self) -> dict:
         """`stats()` with this replica's id, for readings gathered from every replica."""
@@ -95,7 +133,6 @@ class EngineDeployment:
     async def report_stats(self) -> None:
         """Read `stats()` once into the metrics."""
         self.metrics.update(await self.stats())
-
 
     # -- adapters ------------------------------------------------------------------------------
 
@@ -179,7 +216,6 @@ class EngineDeployment:
         await asyncio.to_thread(_push_routing_info, self._serve.replica_id, model_ids, stats)
         self._published = residency
 
-
     async def _follow_hints(self) -> None:
         from router.hints import board_name, follow_hints, get_or_create_board
 
@@ -194,7 +230,8 @@ class EngineDeployment:
             raise RuntimeError(f"engine loop stopped: {self.engine.last_error!r}")
 
     def __del__(self) -> None:
-        for task in [getattr(self, "_stats_task", None), *getattr(self, "_routing_tasks", [])]:
+        tasks = [getattr(self, "_stats_task", None), getattr(self, "_lease_task", None)]
+        for task in [*tasks, *getattr(self, "_routing_tasks", [])]:
             if task is not None:
                 task.cancel()
         engine = getattr(self, "engine", None)

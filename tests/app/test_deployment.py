@@ -88,7 +88,8 @@ class TestMetrics:
             "num_steps", "num_preemptions", "max_adapters_in_step", "adapter_disk_reads",
             "adapter_gpu_loads", "adapter_prefetch_loads", "adapter_hits", "adapter_misses",
             "adapter_read_seconds", "resident_adapters", "num_free_kv_blocks", "num_kv_blocks",
-            "num_running", "num_waiting", "busy_s", "num_finished",
+            "num_running", "num_waiting", "busy_s", "num_finished", "num_aborted",
+            "num_abandoned",
         }
         assert isinstance(stats["adapter_read_seconds"], list)
         assert len(stats["adapter_read_seconds"]) == stats["adapter_disk_reads"] == 1
@@ -124,3 +125,76 @@ class TestControlPlane:
         assert report["replica_id"] == "local" and report["error"] is None
         assert report["adapters"]["sql"]["pinned"] is True
         assert report["adapters"]["sql"]["tier"] in {"gpu", "loading", "host", "disk"}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def long_replica(tmp_path_factory):
+    """A replica whose requests may run for thousands of tokens, on a clock the test moves."""
+    root = tmp_path_factory.mktemp("long")
+    model = make_model(root / "model", max_position_embeddings=8192)
+    config = EngineConfig(model=str(model), num_kv_blocks=2100, block_size=4, max_model_len=8192)
+    clock = FakeClock()
+    deployment = EngineDeployment.func_or_class(
+        config, metrics=EngineMetrics(FakeMetricsBackend()), clock=clock
+    )
+    yield deployment, clock
+    deployment.__del__()
+
+
+def long_request(request_id: str) -> GenerateRequest:
+    sampling = SamplingParams(max_tokens=8000, temperature=0.0, ignore_eos=True)
+    return GenerateRequest(request_id, [5, 17, 200], sampling)
+
+
+async def idle(deployment) -> dict:
+    async def stats():
+        return await deployment.stats()
+
+    for _ in range(200):
+        current = await stats()
+        if current["num_running"] == current["num_waiting"] == 0:
+            return current
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine is still running requests")
+
+
+class TestCallerLeases:
+    async def test_a_callers_requests_are_aborted_when_its_lease_lapses(self, long_replica):
+        deployment, clock = long_replica
+        orphan = deployment.generate(long_request("orphan"), "dead-ingress", 2.0)
+        kept = deployment.generate(long_request("kept"), "live-ingress", 2.0)
+        assert (await anext(orphan)).finish_reason is None
+        assert (await anext(kept)).finish_reason is None
+        clock.now += 1.5
+        await deployment.renew_lease("live-ingress", 2.0)
+        clock.now += 1.0  # dead-ingress's lease lapsed at 2.0
+        await deployment.abort_abandoned()
+        chunks = [chunk async for chunk in orphan]
+        assert chunks[-1].finish_reason == "error" and chunks[-1].error.status == 503
+        assert "lease" in chunks[-1].error.message
+        stats = await deployment.stats()
+        assert stats["num_running"] == 1  # the live caller's request goes on
+        assert stats["num_abandoned"] == stats["num_aborted"] == 1
+        await kept.aclose()  # its caller hangs up: aborted too, and counted
+        stats = await idle(deployment)
+        assert stats["num_aborted"] == 2 and stats["num_abandoned"] == 1
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+        assert deployment.leases.num_tracked == 0
+
+    async def test_requests_without_a_caller_are_never_abandoned(self, long_replica):
+        deployment, clock = long_replica
+        stream = deployment.generate(long_request("anonymous"))
+        assert (await anext(stream)).finish_reason is None
+        clock.now += 1000.0
+        await deployment.abort_abandoned()
+        assert (await deployment.stats())["num_running"] == 1
+        await stream.aclose()
+        assert (await idle(deployment))["num_aborted"] == 1
