@@ -48,6 +48,17 @@ class AdapterError(ValueError):
         self.status = status
 
 
+def peft_pattern_value(patterns: dict[str, float], module: str) -> float | None:
+    """The value of the first key of a `rank_pattern` / `alpha_pattern` (in the config's order)
+    that matches `module` (e.g. "model.layers.0.self_attn.q_proj") as PEFT matches them: the key
+    is a regex for the end of the name, after a dot or from the start, taken whole (so
+    "k_proj|up_proj" names both). None when no key matches."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return None
+
+
 @dataclass(frozen=True)
 class AdapterConfig:
     path: Path
@@ -67,10 +78,8 @@ class AdapterConfig:
         return a / math.sqrt(r) if self.use_rslora else a / r
 
     def alpha_for(self, module: str) -> float:
-        for pattern, alpha in self.alpha_pattern.items():
-            if re.fullmatch(rf"(.*\.)?{pattern}", module):
-                return float(alpha)
-        return self.lora_alpha
+        alpha = peft_pattern_value(self.alpha_pattern, module)
+        return self.lora_alpha if alpha is None else float(alpha)
 
     def module_rank(self, module: str) -> int:
         """The rank PEFT gives `module` (a full name, `model.layers.0.self_attn.q_proj`): the
