@@ -1,6 +1,6 @@
 """Routing policy: which replica should serve a request for a given adapter. Plain Python: no
-Ray, no torch. `router.serve_router` applies it inside Ray Serve; `router.simulator` replays
-workloads through it.
+Ray, no torch. `router.serve_router` applies it inside Ray Serve; the fleet simulator (`sim/`)
+drives the same code on a virtual clock.
 
 A policy answers `rank(adapter, replicas)` with the replica ids in ranked tiers, best tier first,
 every id exactly once. The caller sends to the replica with the shortest queue among those with
@@ -9,12 +9,12 @@ order and a tier of several leaves the choice among them to queue length.
 
 `AffinityPolicy` places an adapter where it already is (GPU slot, loading, host memory), breaks
 ties by rendezvous hashing so every router instance picks the same home for a cold adapter,
-widens an adapter's home to more replicas while its demand exceeds one replica's share, lets
-replicas that already hold the adapter take its requests when they are less loaded than its
-home, sends a cold adapter to the less loaded of its two hash choices when its first is clearly
-busier, and never ranks a replica loaded beyond `imbalance_bound` × the fleet mean (or
-`load_slack` above it) ahead of one that is not (consistent hashing with bounded loads, applied
-to the adapter's placement order).
+widens an adapter's home to more replicas while its demand exceeds one replica's share (and
+narrows it back as the demand falls), overflows an overloaded home onto replicas that already
+hold the adapter, sends a cold adapter to the less loaded of its two hash choices when its
+first is clearly busier, and never ranks a replica loaded beyond `imbalance_bound` × the fleet
+mean (or `load_slack` above it) ahead of one that is not (consistent hashing with bounded loads,
+applied to the adapter's placement order).
 """
 
 from __future__ import annotations
@@ -157,10 +157,12 @@ class AffinityPolicy:
        piles up, even at light load where outstanding requests are too few to show it. As
        demand falls k shrinks and replicas past the home stop receiving `a`, so its slots there
        age out.
-    5. Copies: the other non-overloaded replicas that hold `a` (GPU or loading) and are less
-       loaded than every replica of the home join the home's tier. A copy made by a burst or an
-       overflow then evens out the load for as long as it stays resident, instead of aging out
-       and being loaded again at the next burst; it costs no load, and the home keeps the ties.
+    5. Copies: other replicas that hold `a` (GPU or loading) come next in the placement
+       order, so an overloaded home overflows onto a copy made by an earlier burst without a
+       load. They do not share the home's tier: a copy taking every request the home's queue
+       length lost would stay resident for good, and `a` would hold a slot on every replica it
+       ever spread to after its demand fell back (seen in the fleet simulator: an adapter that
+       had needed two replicas went on using both at a fifth of that demand).
     6. Cold: when no non-overloaded replica holds `a` (the best tier is HOST or worse) and
        k = 1, the home is the better of two hash choices, the first two non-overloaded replicas
        of that best tier: the first, unless its load exceeds the second's by more than
@@ -206,7 +208,7 @@ class AffinityPolicy:
             weighs long requests more than short ones; else load = queue_len.
         min_spread_threshold: the adaptive threshold's floor. At light load a burst of a few
             requests for one adapter is no reason to put it on a second replica: the copy
-            takes a slot there for as long as it stays in use (step 5).
+            takes a slot there for as long as it stays in use.
         spread_share: an adapter gets one home replica per this fraction of a replica's fair
             share (1/n) of the recent traffic; None spreads by outstanding requests alone.
             Below 1 so that a home replica keeps room for other adapters: with 2 replicas an
@@ -358,8 +360,6 @@ class AffinityPolicy:
             home = [self._cold_home(fit, tier, loads, mean)]
         else:
             home = fit[:k]
-            least = min(loads[rid] for rid in home)
-            home += [rid for rid in fit[k:] if tier[rid] <= Tier.LOADING and loads[rid] < least]
         in_home = set(home)
         tiers = [home]
         tiers += [[rid] for rid in fit if rid not in in_home]

@@ -392,3 +392,14 @@ def make_request(
         adapter=adapter,
         arrival_time=now,
     )
+
+
+def capacity_rps(cal: Calibration, config: ReplicaConfig, prompt: float, output: float) -> float:
+    """Requests per second one replica finishes with a full batch of `max_num_seqs` sequences
+    over as many adapters as it has slots, averaging `prompt` and `output` tokens: each
+    sequence holds its seat for `output` steps, and each step also prefills the prompts of the
+    requests replacing the ones that finished."""
+    seqs = config.max_num_seqs
+    adapters = min(seqs, config.max_loras_per_batch)
+    step = cal.step_s(seqs, adapters, round(seqs * prompt / output))
+    return seqs / (output * step)
