@@ -15,6 +15,11 @@ one answer or exception per replica. Two limits shape what is built on it here:
 A replica that Serve skips at send time (dead, or unreachable at that moment) gives no answer at
 all; one that starts later does not receive the call.
 
+Loads and unloads are also written to the fleet's adapter ledger (`replicas/adapter_ledger.py`,
+in Ray's GCS store), which engine replicas that start later read, so runtime adapters survive
+restarts and reach new replicas: a load once every replica took it, an unload before it is
+sent (and put back when no replica acted on it).
+
 Generation goes through the same handle under the caller's lease (`LeaseKeeper`): while this
 ingress has requests in flight, one broadcast per `RENEW_S` tells every engine replica that it
 is alive; when it dies, the renewals stop and the engines abort its requests within `LEASE_S`
@@ -25,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from app.adapters import FleetView
+from replicas.adapter_ledger import AdapterEntry, LedgerStore
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -144,9 +151,18 @@ class LeaseKeeper:
 class ServeFleetClient:
     """`FleetClient` over a handle to the engine deployment."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, *, ledger: LedgerStore | None = None) -> None:
         self._handle = handle
         self.lease = LeaseKeeper(self._renew_lease)
+        self._ledger = ledger
+
+    @property
+    def ledger(self) -> LedgerStore:
+        if self._ledger is None:
+            from replicas.deployment import RayLedger
+
+            self._ledger = RayLedger(self._handle.app_name, self._handle.deployment_name)
+        return self._ledger
 
     async def _renew_lease(self, caller_id: str, lease_s: float) -> None:
         await self._broadcast(self.lease.renew_s, "renew_lease", caller_id, lease_s)
@@ -158,12 +174,45 @@ class ServeFleetClient:
     async def broadcast_load_adapter(
         self, name: str, path: str, pinned: bool, load_id: str
     ) -> list[ReplicaReply]:
-        return await self._broadcast(CONTROL_TIMEOUT_S, "load_adapter", name, path, pinned, load_id)
+        version = time.time_ns()
+        replies = await self._broadcast(
+            CONTROL_TIMEOUT_S, "load_adapter", name, path, pinned, load_id, version
+        )
+        if replies and all(r.ok for r in replies):
+            await self._record(AdapterEntry(name, path, version, pinned, load_id))
+        return replies
 
     async def broadcast_unload_adapter(
         self, name: str, load_id: str | None = None
     ) -> list[ReplicaReply]:
-        return await self._broadcast(CONTROL_TIMEOUT_S, "unload_adapter", name, load_id)
+        if load_id is not None:  # undoing a partial load: it was never recorded
+            return await self._broadcast(CONTROL_TIMEOUT_S, "unload_adapter", name, load_id)
+        version = time.time_ns()
+        previous = await self._record(AdapterEntry(name, None, version))
+        replies = await self._broadcast(CONTROL_TIMEOUT_S, "unload_adapter", name, None, version)
+        if not any(r.ok for r in replies):  # nothing was unloaded: the ledger's word stands
+            await self._restore(name, previous)
+        return replies
+
+    async def _record(self, entry: AdapterEntry) -> AdapterEntry | None:
+        """Write `entry` to the ledger; returns the entry it replaced. A ledger that fails is
+        logged: the change holds on the running replicas, not on those that start later."""
+        try:
+            previous = (await asyncio.to_thread(self.ledger.read_all)).get(entry.name)
+            await asyncio.to_thread(self.ledger.write, entry)
+        except Exception:
+            logger.exception("could not record adapter %s in the ledger", entry.name)
+            return None
+        return previous
+
+    async def _restore(self, name: str, previous: AdapterEntry | None) -> None:
+        try:
+            if previous is None:
+                await asyncio.to_thread(self.ledger.delete, name)
+            else:
+                await asyncio.to_thread(self.ledger.write, previous)
+        except Exception:
+            logger.exception("could not restore adapter %s in the ledger", name)
 
     async def adapter_reports(self, timeout_s: float) -> list[ReplicaReply]:
         replies = await self._broadcast(timeout_s + BROADCAST_GRACE_S, "adapter_report", timeout_s)

@@ -11,6 +11,7 @@ from typing import Any
 
 from ray import serve
 
+from replicas.adapter_ledger import AdapterEntry, LedgerFollower, LedgerStore, LoadMismatch
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine import Engine, RequestRejected
@@ -23,6 +24,8 @@ STATS_PERIOD_S = 1.0
 ROUTING_STATS_TIMEOUT_S = 0.5
 RESIDENCY_PERIOD_S = 0.1  # how often a replica checks whether its adapter residency changed
 WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+LEDGER_SYNC_S = 5.0  # how often a replica catches up with the runtime adapter ledger
+LEDGER_NAMESPACE = "lorafleet"
 LEASE_S = 2.0  # a caller's lease when it names none (see replicas/leases.py)
 LEASE_SWEEP_S = 0.25  # how often a replica aborts the requests of callers whose lease lapsed
 LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
@@ -44,6 +47,7 @@ class EngineDeployment:
         metrics: EngineMetrics | None = None,
         stats_period_s: float = STATS_PERIOD_S,
         clock: Callable[[], float] = time.monotonic,
+        ledger: LedgerStore | None = None,
     ) -> None:
         if prepare is not None:
             prepare()
@@ -51,13 +55,21 @@ class EngineDeployment:
         self.replica_id = _replica_id()
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.set_slot_capacity(config.max_loras_per_batch)
-        self._load_ids: dict[str, str] = {}  # adapter -> the load that registered it here
         self.leases = CallerLeases(clock)
         self.num_abandoned = 0  # requests aborted because their caller's lease lapsed
-        self.engine = AsyncEngine(engine_cls(config))
+        self._serve = _serve_context()
+        # Adapters loaded and unloaded at run time, kept by the fleet (replicas/adapter_ledger.py):
+        # caught up with before the engine starts, then every LEDGER_SYNC_S.
+        self.ledger = ledger if ledger is not None else _fleet_ledger(self._serve)
+        self.follower = LedgerFollower()
+        engine = engine_cls(config)
+        if self.ledger is not None:
+            self._follow(engine, self.ledger.read_all())
+        self.engine = AsyncEngine(engine)
         self.engine.start()
         self._stats_task: asyncio.Task | None = None
         self._lease_task: asyncio.Task | None = None
+        self._ledger_task: asyncio.Task | None = None
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -69,9 +81,12 @@ class EngineDeployment:
             self._lease_task = loop.create_task(
                 _every(LEASE_SWEEP_S, self.abort_abandoned, "aborting abandoned requests")
             )
+            if self.ledger is not None:
+                self._ledger_task = loop.create_task(
+                    _every(LEDGER_SYNC_S, self.sync_adapters, "catching up with the ledger")
+                )
         self._routing_stats: dict[str, Any] | None = None  # the last answer, for slow engines
         self._published: dict[str, list[str]] | None = None  # residency last pushed to Serve
-        self._serve = _serve_context()
         self._routing_tasks: list[asyncio.Task] = []
         if loop is not None and self._serve is not None:
             self._routing_tasks = [
@@ -137,25 +152,52 @@ class EngineDeployment:
     # -- adapters ------------------------------------------------------------------------------
 
     async def load_adapter(
-        self, name: str, path: str, pinned: bool = False, load_id: str | None = None
+        self,
+        name: str,
+        path: str,
+        pinned: bool = False,
+        load_id: str | None = None,
+        version: int | None = None,
     ) -> None:
         """Raises RequestRejected (with `.status`) for a bad adapter or a name in use. `load_id`
         marks this load, so that undoing it (`unload_adapter(name, load_id)`) never removes an
-        adapter of the same name that another load registered."""
-        await self.engine.call(Engine.load_adapter, name, path, pinned)
-        if load_id is not None:
-            self._load_ids[name] = load_id
-        else:
-            self._load_ids.pop(name, None)
+        adapter of the same name that another load registered. `version` is the ledger
+        version of this change (an older ledger entry never undoes it)."""
+        await self.engine.call(self.follower.load, name, path, pinned, load_id, version)
 
-    async def unload_adapter(self, name: str, load_id: str | None = None) -> None:
+    async def unload_adapter(
+        self, name: str, load_id: str | None = None, version: int | None = None
+    ) -> None:
         """New requests for `name` get 404; queued and running ones finish. With `load_id`, only
         when that load is what registered `name` here. Raises RequestRejected 404 otherwise, or
-        when `name` is not loaded."""
-        if load_id is not None and self._load_ids.get(name) != load_id:
-            raise RequestRejected(f"adapter {name!r} was not loaded by load {load_id}", 404)
-        await self.engine.call(Engine.unload_adapter, name)
-        self._load_ids.pop(name, None)
+        when `name` is not loaded. An unload of a `version` this replica already applied from
+        the ledger succeeds."""
+        try:
+            await self.engine.call(self.follower.unload, name, load_id, version)
+        except LoadMismatch as e:
+            raise RequestRejected(str(e), 404) from e
+
+    async def sync_adapters(self) -> list[str]:
+        """Catch up with the ledger (every `LEDGER_SYNC_S` under Serve): load and unload what
+        changed since this replica last applied each name. Returns the names changed here."""
+        if self.ledger is None:
+            return []
+        entries = await asyncio.to_thread(self.ledger.read_all)
+        return await self.engine.call(self._follow, entries)
+
+    def _follow(self, engine: Engine, entries: dict[str, AdapterEntry]) -> list[str]:
+        """On the engine thread (or before it starts)."""
+        failures = dict(self.follower.failures)
+        changed = self.follower.follow(engine, entries)
+        for name in changed:
+            entry = entries[name]
+            logger.info("adapter %s %s from the ledger", name, entry.path or "unloaded")
+        for name, reason in self.follower.failures.items():
+            if failures.get(name) != reason:
+                logger.warning(
+                    "could not apply the ledger's entry for adapter %s: %s", name, reason
+                )
+        return changed
 
     async def adapters(self) -> dict[str, dict]:
         return await self.engine.call(Engine.adapter_status)
@@ -230,7 +272,9 @@ class EngineDeployment:
             raise RuntimeError(f"engine loop stopped: {self.engine.last_error!r}")
 
     def __del__(self) -> None:
-        tasks = [getattr(self, "_stats_task", None), getattr(self, "_lease_task", None)]
+        tasks = [
+            getattr(self, name, None) for name in ("_stats_task", "_lease_task", "_ledger_task")
+        ]
         for task in [*tasks, *getattr(self, "_routing_tasks", [])]:
             if task is not None:
                 task.cancel()
@@ -348,6 +392,49 @@ class EngineMetrics:
         self.queue_time.observe(metrics.get("queue_s", 0.0), tags={"model_kind": kind})
         if adapter:
             self.adapter_wait.observe(metrics.get("adapter_wait_s", 0.0))
+
+
+class RayLedger:
+    """The adapter ledger (`LedgerStore`) in Ray's GCS key-value store, which outlives every
+    replica: one key per adapter name under `adapters::<app>::<deployment>::`. Calls block."""
+
+    def __init__(self, app_name: str, deployment_name: str) -> None:
+        self.prefix = f"adapters::{app_name}::{deployment_name}::"
+
+    def read_all(self) -> dict[str, AdapterEntry]:
+        from ray.experimental import internal_kv
+
+        entries: dict[str, AdapterEntry] = {}
+        for key in internal_kv._internal_kv_list(self.prefix, namespace=LEDGER_NAMESPACE):
+            value = internal_kv._internal_kv_get(key, namespace=LEDGER_NAMESPACE)
+            if value is None:  # deleted since listed
+                continue
+            try:
+                entry = AdapterEntry.from_json(value)
+            except (ValueError, TypeError) as e:
+                logger.warning("skipping an unreadable ledger entry %r: %s", key, e)
+                continue
+            entries[entry.name] = entry
+        return entries
+
+    def write(self, entry: AdapterEntry) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(
+            self.prefix + entry.name, entry.to_json(), overwrite=True, namespace=LEDGER_NAMESPACE
+        )
+
+    def delete(self, name: str) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self.prefix + name, namespace=LEDGER_NAMESPACE)
+
+
+def _fleet_ledger(serve_context: Any) -> RayLedger | None:
+    """The ledger of this replica's deployment under Serve; None outside Serve."""
+    if serve_context is None:
+        return None
+    return RayLedger(serve_context.app_name, serve_context.deployment)
 
 
 def _serve_metrics() -> Any:

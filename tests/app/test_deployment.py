@@ -78,17 +78,29 @@ class TestMetrics:
         assert backend["lorafleet_kv_blocks"].records[-1][0] == 64
         assert backend["lorafleet_engine_running_requests"].records[-1][0] == 0
 
-
     async def test_stats_keep_the_keys_and_types_that_metrics_and_tools_read(self, replica, files):
         deployment, _ = replica
         await deployment.load_adapter("sql", str(files[1]))
         await generate(deployment, "r1", "sql")
         stats = await deployment.stats()
         assert set(stats) == {
-            "num_steps", "num_preemptions", "max_adapters_in_step", "adapter_disk_reads",
-            "adapter_gpu_loads", "adapter_prefetch_loads", "adapter_hits", "adapter_misses",
-            "adapter_read_seconds", "resident_adapters", "num_free_kv_blocks", "num_kv_blocks",
-            "num_running", "num_waiting", "busy_s", "num_finished", "num_aborted",
+            "num_steps",
+            "num_preemptions",
+            "max_adapters_in_step",
+            "adapter_disk_reads",
+            "adapter_gpu_loads",
+            "adapter_prefetch_loads",
+            "adapter_hits",
+            "adapter_misses",
+            "adapter_read_seconds",
+            "resident_adapters",
+            "num_free_kv_blocks",
+            "num_kv_blocks",
+            "num_running",
+            "num_waiting",
+            "busy_s",
+            "num_finished",
+            "num_aborted",
             "num_abandoned",
         }
         assert isinstance(stats["adapter_read_seconds"], list)
@@ -198,3 +210,40 @@ class TestCallerLeases:
         assert (await deployment.stats())["num_running"] == 1
         await stream.aclose()
         assert (await idle(deployment))["num_aborted"] == 1
+
+
+class TestRuntimeAdaptersOutliveReplicas:
+    async def test_a_replica_that_starts_later_serves_the_fleets_adapters(self, files):
+        from replicas.adapter_ledger import AdapterEntry, MemoryLedger
+
+        model, sql = files
+        config = EngineConfig(
+            model=str(model),
+            num_kv_blocks=64,
+            block_size=4,
+            max_lora_rank=8,
+            adapters=(("configured", str(sql)),),
+        )
+        ledger = MemoryLedger()
+        ledger.write(AdapterEntry("runtime", str(sql), 10, load_id="l1"))
+        ledger.write(AdapterEntry("configured", None, 11))  # unloaded at run time
+        replica = EngineDeployment.func_or_class(
+            config, metrics=EngineMetrics(FakeMetricsBackend()), ledger=ledger
+        )
+        try:
+            served = await replica.served_adapters()
+            assert served["adapters"] == {"runtime": str(sql)}
+            assert "configured" in served["unloaded"]
+            chunks = await generate(replica, "r1", "runtime")
+            assert chunks[-1].finish_reason == "length"
+            # A later unload, then a catch-up that reads the older load: the unload stands.
+            await replica.unload_adapter("runtime", None, 12)
+            await replica.unload_adapter("runtime", None, 12)  # the same unload again: done
+            assert await replica.sync_adapters() == []
+            assert "runtime" not in (await replica.served_adapters())["adapters"]
+            # A load written to the ledger after this replica started arrives on the next one.
+            ledger.write(AdapterEntry("late", str(sql), 13))
+            assert await replica.sync_adapters() == ["late"]
+            assert (await replica.served_adapters())["adapters"] == {"late": str(sql)}
+        finally:
+            replica.__del__()

@@ -1,0 +1,138 @@
+"""The runtime adapter ledger (replicas/adapter_ledger.py): what a replica does to agree with it,
+against a fake engine with the real engine's refusals (name in use, 404 when not served)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from replicas.adapter_ledger import (
+    AdapterEntry,
+    LedgerFollower,
+    Load,
+    LoadMismatch,
+    MemoryLedger,
+    Unload,
+    reconcile,
+)
+
+
+class Refused(Exception):
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Served:
+    adapters: dict[str, str]
+
+
+class FakeEngine:
+    """Names served by path; `retired` names are unloaded but still used by a request."""
+
+    def __init__(self, adapters: dict[str, str] | None = None) -> None:
+        self.adapters = dict(adapters or {})
+        self.retired: set[str] = set()
+        self.broken: set[str] = set()  # paths whose files are bad
+
+    def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        if name in self.adapters or name in self.retired:
+            raise Refused(f"adapter {name!r} is already loaded", 400)
+        if path in self.broken:
+            raise Refused(f"no adapter_config.json in {path}", 400)
+        self.adapters[name] = path
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise Refused(f"adapter {name!r} is not loaded", 404)
+        del self.adapters[name]
+
+    def served_adapters(self) -> Served:
+        return Served(dict(self.adapters))
+
+
+class TestReconcile:
+    def test_steps_take_the_served_names_to_the_ledgers(self):
+        entries = {
+            "new": AdapterEntry("new", "/a/new", 5, pinned=True, load_id="l1"),
+            "gone": AdapterEntry("gone", None, 6),
+            "moved": AdapterEntry("moved", "/b/moved", 7),
+            "same": AdapterEntry("same", "/a/same", 8),
+            "old": AdapterEntry("old", None, 2),
+        }
+        served = {"gone": "/a/gone", "moved": "/a/moved", "same": "/a/same", "old": "/a/old"}
+        plan = dict((entry.name, steps) for entry, steps in reconcile(entries, served, {"old": 3}))
+        assert plan == {
+            "new": [Load("new", "/a/new", True, "l1")],
+            "gone": [Unload("gone")],
+            "moved": [Unload("moved"), Load("moved", "/b/moved", False, None)],
+            "same": [],  # matched already: only its version to record
+        }  # "old": this replica applied a newer change than the entry
+
+
+class TestLedgerFollower:
+    def test_a_new_replica_catches_up_with_loads_and_unloads(self):
+        ledger = MemoryLedger()
+        ledger.write(AdapterEntry("runtime", "/a/runtime", 10, load_id="l1"))
+        ledger.write(AdapterEntry("configured", None, 11))  # unloaded at run time
+        engine = FakeEngine({"configured": "/a/configured", "kept": "/a/kept"})
+        follower = LedgerFollower()
+        assert sorted(follower.follow(engine, ledger.read_all())) == ["configured", "runtime"]
+        assert engine.adapters == {"kept": "/a/kept", "runtime": "/a/runtime"}
+        assert follower.applied == {"runtime": 10, "configured": 11}
+        # Undoing that load by its id works on this replica too.
+        follower.unload(engine, "runtime", "l1")
+        assert "runtime" not in engine.adapters
+
+    def test_an_older_entry_never_undoes_a_newer_broadcast(self):
+        ledger = MemoryLedger()
+        ledger.write(AdapterEntry("x", None, 20))  # read by the catch-up below...
+        engine = FakeEngine()
+        follower = LedgerFollower()
+        follower.load(engine, "x", "/a/x", version=21)  # ...after a later load reached it
+        assert follower.follow(engine, ledger.read_all()) == []
+        assert engine.adapters == {"x": "/a/x"}
+
+    def test_an_unload_the_replica_already_caught_up_with_succeeds(self):
+        engine = FakeEngine({"x": "/a/x"})
+        follower = LedgerFollower()
+        follower.follow(engine, {"x": AdapterEntry("x", None, 30)})
+        assert engine.adapters == {}
+        follower.unload(engine, "x", version=30)  # the broadcast of the same unload: done
+        with pytest.raises(Refused) as e:
+            follower.unload(engine, "x", version=31)
+        assert e.value.status == 404
+
+    def test_a_failed_entry_is_retried_and_its_reason_kept(self):
+        engine = FakeEngine()
+        engine.retired.add("x")  # an unloaded "x" still finishing a request
+        follower = LedgerFollower()
+        entries = {"x": AdapterEntry("x", "/a/x2", 40)}
+        assert follower.follow(engine, entries) == []
+        assert "already loaded" in follower.failures["x"] and "x" not in follower.applied
+        engine.retired.clear()
+        assert follower.follow(engine, entries) == ["x"]
+        assert follower.failures == {} and engine.adapters == {"x": "/a/x2"}
+
+    def test_an_unload_of_a_name_not_served_here_is_no_failure(self):
+        follower = LedgerFollower()
+        engine = FakeEngine()
+        follower.follow(engine, {"never": AdapterEntry("never", None, 50)})
+        assert follower.failures == {} and follower.applied == {"never": 50}
+
+    def test_undoing_someone_elses_load_is_refused(self):
+        engine = FakeEngine()
+        follower = LedgerFollower()
+        follower.load(engine, "x", "/a/x", load_id="mine")
+        with pytest.raises(LoadMismatch):
+            follower.unload(engine, "x", "theirs")
+        assert engine.adapters == {"x": "/a/x"}
+
+
+def test_entries_round_trip_and_check_themselves():
+    entry = AdapterEntry("x", "/a/x", 7, pinned=True, load_id="l")
+    assert AdapterEntry.from_json(entry.to_json()) == entry
+    with pytest.raises(ValueError):
+        AdapterEntry("x", None, 1, pinned=True)
