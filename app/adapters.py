@@ -34,6 +34,7 @@ __all__ = [
 logger = logging.getLogger("ray.serve")
 
 FLEET_VIEW_TIMEOUT_S = 2.0
+MAX_ADAPTER_NAME_BYTES = 255  # a folder name under adapter_root (NAME_MAX)
 
 Source = Literal["config", "runtime", "adapter_root"]
 
@@ -67,10 +68,12 @@ def validate_adapter_dir(path: str | Path, max_lora_rank: int) -> AdapterInfo:
 
 def check_adapter_name(name: str, base_name: str) -> None:
     """Raise ValueError unless `name` can name an adapter: non-empty, a single path component
-    (it names a folder under `adapter_root`), no ':' (it separates `base:adapter`), not hidden,
-    and not the base model's name."""
+    of at most 255 bytes (it names a folder under `adapter_root`), no ':' (it separates
+    `base:adapter`), not hidden, and not the base model's name."""
     if not name or not name.strip():
         raise ValueError("adapter names must be non-empty")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_ADAPTER_NAME_BYTES:
+        raise ValueError(f"adapter names must be at most {MAX_ADAPTER_NAME_BYTES} bytes long")
     if any(c in name for c in "/\\:\0"):
         raise ValueError(f"adapter name {name!r} must not contain '/', '\\', ':' or NUL")
     if name.startswith("."):

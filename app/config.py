@@ -8,16 +8,18 @@ that need the file system (adapter folders, the model directory) run at build ti
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from app.adapters import check_adapter_name
 from replicas.config import EngineConfig
 
 DEMO_MODEL_NAME = "lorafleet-demo"
+API_KEY_ENV = "LORAFLEET_API_KEY"
 
 
 def looks_like_local_path(model: str) -> bool:
@@ -59,6 +61,14 @@ class AppArgs(BaseModel):
             "A folder whose subfolders are adapters, each served under its folder name and "
             "validated the first time a request names it. Must be readable at the same path "
             "from every node."
+        ),
+    )
+    runtime_adapter_dirs: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Folders /v1/load_lora_adapter may load from: lora_path must resolve (symlinks "
+            "followed) to a folder inside one of them. Empty: run-time loading is off (403), "
+            "except for the demo, which then allows its own adapters folder."
         ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -196,6 +206,21 @@ class AppArgs(BaseModel):
             "can start loading. false: replicas prefetch from their own queues only."
         ),
     )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            f"When set, every /v1/ route requires the header `Authorization: Bearer <key>` "
+            f"(401 otherwise); /health stays open. null: ${API_KEY_ENV} if set, else no key."
+        ),
+    )
+    max_request_body_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        description=(
+            "Request bodies above this many bytes are refused with 413 before they are parsed. "
+            "null: 1 MiB plus 32 bytes per token of max_model_len."
+        ),
+    )
     demo_cache_dir: str | None = Field(
         default=None,
         description="Where the demo is built. Default: $LORAFLEET_CACHE or ~/.cache/lorafleet.",
@@ -207,6 +232,20 @@ class AppArgs(BaseModel):
         if value is not None and not value.strip():
             raise ValueError("must be a non-empty string or null")
         return value
+
+    @field_validator("runtime_adapter_dirs")
+    @classmethod
+    def _folders_non_empty(cls, folders: list[str]) -> list[str]:
+        if any(not folder.strip() for folder in folders):
+            raise ValueError("folders must be non-empty strings")
+        return folders
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_non_empty(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("must be a non-empty string or null")
+        return key
 
     @field_validator("adapters")
     @classmethod
@@ -256,6 +295,13 @@ class AppArgs(BaseModel):
         if looks_like_local_path(self.model):
             return Path(self.model).expanduser().resolve().name
         return self.model
+
+    def resolved_api_key(self) -> str | None:
+        """`api_key`, else the environment's $LORAFLEET_API_KEY (read where the app is built),
+        else None: no key."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(API_KEY_ENV) or None
 
     @property
     def loading_mode(self) -> str:

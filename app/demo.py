@@ -83,6 +83,11 @@ class DemoAssets:
     model_dir: Path
     adapters: dict[str, Path]
 
+    @property
+    def adapters_dir(self) -> Path:
+        """The folder holding every demo adapter (and nothing else)."""
+        return self.model_dir.parent / "adapters"
+
 
 DEMO_MODEL = dict(
     hidden_size=256,

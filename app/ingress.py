@@ -12,6 +12,12 @@ proper status; an error after streaming began is sent as an SSE `{"error": ...}`
 the engine stream aborts the request there: when a stop string matches, when the client goes
 away, on any error.
 
+Before a route runs, `app/guards.py` checks the API key (when one is set) and bounds the body.
+Tokenization and chat templates run on a worker thread (`TokenizerPool`), never on the event loop.
+Every failure answers in OpenAI's error body, JSON, with the status the OpenAPI schema declares
+for the route; a failure of ours (an engine replica died, a bug) says so without internals, which
+go to the log.
+
 Adapter management (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/adapters`) is in
 `app/management.py`; the metrics in `app/metrics.py`.
 """
@@ -19,16 +25,21 @@ Adapter management (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/ada
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
@@ -37,6 +48,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.adapters import AdapterError, AdapterRegistry
 from app.fleet import FleetClient, ServeFleetClient
+from app.guards import ApiKeyGuard, BodyLimit, default_body_limit
 from app.management import AdapterAdmin
 from app.metrics import GenerationTimer, IngressMetrics, RequestCounter
 from app.protocol import (
@@ -53,6 +65,7 @@ from app.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    ErrorResponse,
     LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
@@ -60,13 +73,7 @@ from app.protocol import (
     UnloadLoraAdapterRequest,
     UsageInfo,
 )
-from app.tokenization import (
-    ChatTemplateError,
-    TextStream,
-    apply_chat_template,
-    encode_prompt,
-    load_tokenizer,
-)
+from app.tokenization import ChatTemplateError, TextStream, TokenizerPool, load_tokenizer
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
 from replicas.request import SamplingParams
 
@@ -125,12 +132,13 @@ class ServeEngineClient(ServeFleetClient):
             RayActorError,
         ) as e:
             finished = True
+            # The exception names the replica's actor, process and class: the log's, not the
+            # client's.
+            logger.warning("request %s: engine replica failed: %r", request.request_id, e)
             yield GenerateChunk(
                 request.request_id,
                 finish_reason="error",
-                error=EngineError(
-                    f"the engine is unavailable: {e}", 503, "ServiceUnavailableError"
-                ),
+                error=EngineError(ENGINE_FAILED, 503, "ServiceUnavailableError"),
             )
         finally:
             self.lease.release()
@@ -139,6 +147,10 @@ class ServeEngineClient(ServeFleetClient):
 
     async def info(self) -> dict[str, Any]:
         return await self._handle.info.remote()
+
+
+ENGINE_FAILED = "the engine replica serving this request failed or is unavailable; retry"
+INTERNAL_ERROR = "the server failed to complete this request (an internal error, logged)"
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,37 @@ class ApiSettings:
     adapters: Mapping[str, str] = field(default_factory=dict)  # validated at build time
     adapter_root: str | None = None
     max_lora_rank: int = 16
+    runtime_adapter_dirs: tuple[str, ...] = ()  # empty: /v1/load_lora_adapter is off (403)
+    api_key: str | None = field(default=None, repr=False)  # None: /v1/ is open
+    max_model_len: int | None = None  # as configured, or the model's; sizes the body limit
+    max_request_body_bytes: int | None = None  # None: from max_model_len
+
+    @property
+    def body_limit(self) -> int:
+        if self.max_request_body_bytes is not None:
+            return self.max_request_body_bytes
+        return default_body_limit(self.max_model_len)
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, each an OpenAI error body."""
+    meaning = {
+        400: "A malformed body or a value the server cannot honour",
+        401: "No valid API key (when the server requires one)",
+        403: "Turned off on this server",
+        404: "Unknown model or adapter",
+        413: "The body is larger than the server accepts",
+        429: "Too many requests",
+        500: "Internal error (details in the server log)",
+        503: "No engine replica can take the request now",
+    }
+    return {s: {"model": ErrorResponse, "description": meaning[s]} for s in statuses}
+
+
+# What every /v1/ route may answer besides its own errors.
+_COMMON_ERRORS = (400, 401, 413, 500)
+_GENERATION_ERRORS = _errors(*_COMMON_ERRORS, 404, 429, 503)
+_STREAMED = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
 def make_api(
@@ -171,11 +214,22 @@ def make_api(
     metrics: IngressMetrics | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app: /v1/completions, /v1/chat/completions, /v1/models, /health,
-    and adapter management. `metrics` defaults to the Ray Serve metrics."""
-    api = FastAPI(title="lorafleet", summary="One base model, many LoRA adapters.")
-    metrics = metrics if metrics is not None else IngressMetrics()
-    service = OpenAIService(engine, tokenizer, settings, metrics)
-    admin = AdapterAdmin(engine, service.registry)
+    and adapter management. `metrics` defaults to the Ray Serve metrics. The tokenizer's worker
+    thread stops when the app shuts down."""
+    service = OpenAIService(engine, TokenizerPool(tokenizer), settings, metrics or IngressMetrics())
+    admin = AdapterAdmin(
+        engine, service.registry, runtime_adapter_dirs=settings.runtime_adapter_dirs
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        service.tokenization.shutdown()
+
+    api = FastAPI(
+        title="lorafleet", summary="One base model, many LoRA adapters.", lifespan=lifespan
+    )
+    metrics = service.metrics
 
     @api.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -189,37 +243,81 @@ def make_api(
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(APIError(str(exc.detail), exc.status_code))
 
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the exception after this answer; the client gets no internals.
+        return error_response(APIError(INTERNAL_ERROR, 500))
+
     @api.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses=_errors(401, 500))
     async def models() -> ModelList:
         return await service.models()
 
-    @api.post("/v1/completions")
+    @api.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: {"content": _STREAMED}, **_GENERATION_ERRORS},
+    )
     async def completions(body: CompletionRequest) -> Response:
         return await service.completions(body)
 
-    @api.post("/v1/chat/completions")
+    @api.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: {"content": _STREAMED}, **_GENERATION_ERRORS},
+    )
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         return await service.chat_completions(body)
 
-    @api.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    @api.post(
+        "/v1/load_lora_adapter",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+        | _errors(*_COMMON_ERRORS, 403, 404, 503),
+    )
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
         return PlainTextResponse(await admin.load(body))
 
-    @api.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    @api.post(
+        "/v1/unload_lora_adapter",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+        | _errors(*_COMMON_ERRORS, 404, 503),
+    )
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> PlainTextResponse:
         return PlainTextResponse(await admin.unload(body))
 
-    @api.get("/v1/adapters")
+    @api.get("/v1/adapters", responses=_errors(401, 500))
     async def adapters() -> AdapterList:
         return await admin.listing()
 
+    api.openapi = functools.partial(_openapi, api)  # type: ignore[method-assign]
     routes = [route.path for route in api.routes if route.path.startswith(("/v1/", "/health"))]
+    # The last added runs first: count every request, then the key, then the body's size.
+    api.add_middleware(BodyLimit, max_bytes=settings.body_limit)
+    if settings.api_key is not None:
+        api.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     api.add_middleware(RequestCounter, metrics=metrics, routes=routes)
     return api
+
+
+def _openapi(api: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422 answers (a malformed body is OpenAI's 400 here)."""
+    if api.openapi_schema is None:
+        schema = get_openapi(
+            title=api.title, version=api.version, summary=api.summary, routes=api.routes
+        )
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.get("components", {}).get("schemas", {})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        api.openapi_schema = schema
+    return api.openapi_schema
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -251,12 +349,13 @@ class OpenAIService:
     def __init__(
         self,
         engine: EngineClient,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenization: TokenizerPool,
         settings: ApiSettings,
         metrics: IngressMetrics,
     ) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.tokenization = tokenization
+        self.tokenizer = tokenization.tokenizer
         self.settings = settings
         self.metrics = metrics
         self.registry = AdapterRegistry(
@@ -297,7 +396,8 @@ class OpenAIService:
                     try:
                         info = await self.engine.info()
                     except Exception as e:
-                        raise APIError(f"the engine is unavailable: {e}", 503) from e
+                        logger.warning("could not ask the engine for its limits: %r", e)
+                        raise APIError(ENGINE_FAILED, 503) from e
                     self._info = EngineInfo(
                         max_model_len=int(info["max_model_len"]),
                         vocab_size=int(info["vocab_size"]),
@@ -312,7 +412,7 @@ class OpenAIService:
         adapter = await self.resolve_adapter(body.model)
         info = await self.engine_info()
         if isinstance(body.prompt, str):
-            prompt_ids = encode_prompt(self.tokenizer, body.prompt)
+            prompt_ids = await self.tokenization.encode_prompt(body.prompt)
         else:
             prompt_ids = list(body.prompt)
             bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
@@ -332,8 +432,7 @@ class OpenAIService:
         info = await self.engine_info()
         messages = [_template_message(m.role, m.text, m.name) for m in body.messages]
         try:
-            prompt_ids = apply_chat_template(
-                self.tokenizer,
+            prompt_ids = await self.tokenization.apply_chat_template(
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
                 template_kwargs=body.chat_template_kwargs,
@@ -358,7 +457,7 @@ class OpenAIService:
         output: _Output,
         timer: GenerationTimer,
     ) -> Response:
-        sampling = _sampling_params(body, max_tokens)
+        sampling = _sampling_params(body, max_tokens, await self.engine_info())
         request = GenerateRequest(output.request_id, prompt_ids, sampling, adapter)
         text = TextStream(self.tokenizer, prompt_ids, body.stop_strings)
         stream = aiter(self.engine.generate(request))
@@ -432,7 +531,13 @@ def _output_budget(
     return max_tokens
 
 
-def _sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling_params(body: SamplingFields, max_tokens: int, info: EngineInfo) -> SamplingParams:
+    bad = [t for t in body.stop_token_ids or () if not 0 <= t < info.vocab_size]
+    if bad:
+        raise APIError(
+            f"stop token id {bad[0]} is outside the vocabulary (0..{info.vocab_size - 1})",
+            param="stop_token_ids",
+        )
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -457,14 +562,19 @@ async def _next_chunk(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
         raise
     except Exception as e:
         logger.exception("engine call failed")
-        raise APIError(f"the engine failed: {type(e).__name__}: {e}", 500) from e
+        raise APIError(ENGINE_FAILED, 503) from e
 
 
 def _raise_engine_error(chunk: GenerateChunk) -> None:
-    if chunk.error is not None:
-        raise APIError(chunk.error.message, chunk.error.status, type=chunk.error.type)
+    """An engine refusal as the client's error; an engine fault (500) as a plain one, its
+    message (which may carry internals) to the log."""
+    error = chunk.error
+    if error is not None and error.status != 500:
+        raise APIError(error.message, error.status, type=error.type)
     if chunk.finish_reason == "error":
-        raise APIError("the engine failed the request", 500)
+        if error is not None:
+            logger.error("request %s failed in the engine: %s", chunk.request_id, error.message)
+        raise APIError(INTERNAL_ERROR, 500)
 
 
 async def _close(stream: AsyncIterator[GenerateChunk]) -> None:
@@ -632,6 +742,10 @@ async def _sse_events(run: _Run, output: _Output, include_usage: bool) -> AsyncI
             yield _sse(output.usage_chunk(usage), include_usage=True)
     except APIError as e:
         yield f"data: {json.dumps(e.to_response().model_dump())}\n\n"
+    except Exception:
+        logger.exception("streaming request %s failed", output.request_id)
+        error = APIError(INTERNAL_ERROR, 500)
+        yield f"data: {json.dumps(error.to_response().model_dump())}\n\n"
     finally:
         await run.close()
     yield DONE_EVENT
@@ -672,8 +786,9 @@ class _ClosingStreamingResponse(StreamingResponse):
 class Ingress:
     """The HTTP ingress replica. Construction only stores its collaborators; start-up (Serve
     calls `__serve_build_asgi_app__` after the constructor) runs `prepare` on this node (making
-    sure the model files exist, e.g. building the demo), loads the tokenizer from `model_dir`
-    and builds the app."""
+    sure the model files exist, e.g. building the demo), loads the tokenizer from `model_dir`,
+    reads the model's context length when none was configured (it sizes the body limit) and
+    builds the app."""
 
     def __init__(
         self,
@@ -692,6 +807,22 @@ class Ingress:
         if self._prepare is not None:
             await asyncio.to_thread(self._prepare)
         tokenizer = await asyncio.to_thread(load_tokenizer, self._model_dir)
+        settings = self._settings
+        if settings.max_model_len is None:
+            max_len = await asyncio.to_thread(model_context_length, self._model_dir)
+            settings = dataclasses.replace(settings, max_model_len=max_len)
         return make_api(
-            ServeEngineClient(self._engine), tokenizer, self._settings, metrics=IngressMetrics()
+            ServeEngineClient(self._engine), tokenizer, settings, metrics=IngressMetrics()
         )
+
+
+def model_context_length(model_dir: str | Path) -> int | None:
+    """`max_position_embeddings` from the model folder's config.json, when it says."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        value = config.get(
+            "max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings")
+        )
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None

@@ -39,6 +39,8 @@ class ModelSource:
     root: str  # what /v1/models reports as the base model's origin
     prepare: Callable[[], object] | None = None
     adapters: dict[str, str] = field(default_factory=dict)  # adapters that come with the model
+    # Where /v1/load_lora_adapter may load from when runtime_adapter_dirs is not set.
+    runtime_adapter_dirs: tuple[str, ...] = ()
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
@@ -56,6 +58,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             "served_model_name": given.base_model_name,
             "adapters": {name: _absolute(path) for name, path in adapters.items()},
             "adapter_root": _absolute(given.adapter_root) if given.adapter_root else None,
+            "runtime_adapter_dirs": [
+                _absolute(folder)
+                for folder in given.runtime_adapter_dirs or source.runtime_adapter_dirs
+            ],
         }
     )
     check_adapters(args.adapters, args.max_lora_rank)
@@ -85,6 +91,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         adapters=dict(args.adapters),
         adapter_root=args.adapter_root,
         max_lora_rank=args.max_lora_rank,
+        runtime_adapter_dirs=tuple(args.runtime_adapter_dirs),
+        api_key=args.resolved_api_key(),
+        max_model_len=args.max_model_len,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     # The ingress only streams; it should never be what limits the fleet's concurrency.
     return Ingress.options(
@@ -133,6 +143,8 @@ def resolve_model(args: AppArgs) -> ModelSource:
             root=str(assets.model_dir),
             prepare=functools.partial(ensure_demo, cache),
             adapters={name: str(path) for name, path in assets.adapters.items()},
+            # Only the demo's own adapters: loading one under a new name shows the route.
+            runtime_adapter_dirs=(str(assets.adapters_dir),),
         )
     if looks_like_local_path(args.model):
         model_dir = Path(args.model).expanduser().absolute()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from app.adapters import (
@@ -28,6 +28,7 @@ from app.adapters import (
     validate_adapter_dir,
 )
 from app.fleet import FleetClient, ReplicaReply
+from app.paths import LOADING_OFF_MESSAGE, PathRefused, resolve_runtime_adapter_path
 from app.protocol import (
     AdapterCard,
     AdapterList,
@@ -52,8 +53,10 @@ class AdapterAdmin:
         registry: AdapterRegistry,
         *,
         report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S,
+        runtime_adapter_dirs: Sequence[str] = (),
     ) -> None:
         self.fleet = fleet
+        self.runtime_adapter_dirs = tuple(runtime_adapter_dirs)  # empty: loading is off
         self.registry = registry
         self.report_timeout_s = report_timeout_s
         self._lock = asyncio.Lock()
@@ -63,11 +66,18 @@ class AdapterAdmin:
 
     async def load(self, body: LoadLoraAdapterRequest) -> str:
         name = body.lora_name
+        if not self.runtime_adapter_dirs:
+            raise APIError(LOADING_OFF_MESSAGE, 403, param="lora_path")
         try:
             check_adapter_name(name, self.registry.base_name)
         except ValueError as e:
             raise APIError(str(e), 400, param="lora_name") from e
-        path = Path(body.lora_path).expanduser().absolute()  # replicas do not share our cwd
+        try:  # absolute and resolved: replicas do not share our cwd
+            path = await asyncio.to_thread(
+                resolve_runtime_adapter_path, body.lora_path, self.runtime_adapter_dirs
+            )
+        except PathRefused as e:
+            raise APIError(str(e), 400, param="lora_path") from e
         try:
             info = await asyncio.to_thread(validate_adapter_dir, path, self.registry.max_lora_rank)
         except AdapterError as e:
@@ -106,9 +116,7 @@ class AdapterAdmin:
         name = body.lora_name
         if name == self.registry.base_name:
             raise APIError("the base model cannot be unloaded", 400, param="lora_name")
-        not_found = APIError(
-            f"The lora adapter '{name}' cannot be found.", 404, param="lora_name"
-        )
+        not_found = APIError(f"The lora adapter '{name}' cannot be found.", 404, param="lora_name")
         try:
             check_adapter_name(name, self.registry.base_name)
         except ValueError:

@@ -41,8 +41,11 @@ class ErrorResponse(BaseModel):
 
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -81,12 +84,62 @@ class APIError(Exception):
 # ---------------------------------------------------------------------------------------------
 # Requests
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def lone_surrogate_at(data: Any) -> str | None:
+    """Where in JSON-decoded `data` a string (or a key) holds a lone UTF-16 surrogate, as a
+    dotted path ("" for `data` itself), or None. JSON may escape one (`"\\ud800"`), Python
+    decodes it, but such a string is not Unicode: no tokenizer, template or UTF-8 encoder takes
+    it. Walks iteratively: the depth is the client's choice."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and not _is_unicode(key):
+                    return where or "(a key)"
+                stack.append((path, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}.{i}".lstrip("."), item) for i, item in enumerate(value))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class RequestBody(BaseModel):
+    """A request body: strings anywhere in it must be valid Unicode (400 otherwise)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            where = where.encode("utf-8", "backslashreplace").decode()
+            raise ValueError(
+                f"{where or 'the body'} holds a lone UTF-16 surrogate (an escape such as "
+                "\\ud800 without its pair), which is not valid Unicode"
+            )
+        return data
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """What completions and chat requests share: sampling, stops, streaming, unsupported knobs."""
 
     model_config = ConfigDict(extra="ignore")
@@ -97,7 +150,9 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(
         default=None, description="Extension: sample among the k likeliest; null, -1 or 0: off."
     )
-    seed: int | None = None
+    seed: int | None = Field(
+        default=None, ge=INT64_MIN, le=INT64_MAX, description="A 64-bit signed integer."
+    )
     stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
     stop_token_ids: list[int] | None = Field(
         default=None, description="Extension: token ids that end generation."
@@ -254,6 +309,27 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text or "" for part in self.content)
 
 
+# transformers' `apply_chat_template` parameters: not template variables.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
@@ -282,6 +358,16 @@ class ChatCompletionRequest(SamplingFields):
         if logprobs:
             raise ValueError("logprobs is not supported (only false)")
         return logprobs
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            # A client-supplied `chat_template` would be a template of its own choosing (its
+            # loops run on this server); the others are how the server calls the template.
+            raise ValueError(f"these keys may not be set: {taken}")
+        return kwargs
 
     @field_validator("top_logprobs")
     @classmethod
@@ -435,7 +521,7 @@ class ModelList(BaseModel):
 # Adapter management (vLLM's routes, plus `pinned`)
 
 
-class LoadLoraAdapterRequest(BaseModel):
+class LoadLoraAdapterRequest(RequestBody):
     lora_name: str = Field(description="The name requests will use in `model`.")
     lora_path: str = Field(
         description="The PEFT folder, readable at this same path on every engine node."
@@ -445,7 +531,7 @@ class LoadLoraAdapterRequest(BaseModel):
     )
 
 
-class UnloadLoraAdapterRequest(BaseModel):
+class UnloadLoraAdapterRequest(RequestBody):
     lora_name: str = Field(description="The adapter to stop serving.")
 
 

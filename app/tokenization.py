@@ -1,12 +1,19 @@
 """Text in, token ids out, and back: the tokenizer, chat templates, and streamed detokenization.
 
+`TokenizerPool` runs the heavy direction (a prompt of up to max_model_len tokens, a chat template
+over a long conversation) on a worker thread, so the ingress event loop keeps answering other
+requests and /health meanwhile.
+
 The engine streams token ids; `TextStream` turns them into text deltas a client can show as they
 come: never half a UTF-8 character, never the start of a stop string that may still complete.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +69,50 @@ def apply_chat_template(
     except (TemplateError, ValueError, TypeError, KeyError) as e:
         raise ChatTemplateError(f"the chat template could not render these messages: {e}") from e
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class TokenizerPool:
+    """Prompt encoding and chat templates off the event loop.
+
+    One worker thread by default: transformers' fast tokenizers are not safe to call from several
+    threads at once (the Rust tokenizer's settings are borrowed mutably when encode adjusts
+    truncation and padding: "Already borrowed"), and rendering a Jinja template holds the GIL
+    anyway. The event loop keeps the GIL between the worker's slices (and the Rust encoder
+    releases it), so a long prompt delays the next prompt's tokenization, not the loop. More
+    throughput comes from more ingress replicas (`num_ingress_replicas`).
+
+    Streamed detokenization (`TextStream`) stays on the event loop: a few tokens at a time.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_workers: int = 1) -> None:
+        self.tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tokenize")
+
+    async def encode_prompt(self, text: str) -> list[int]:
+        return await self._run(encode_prompt, self.tokenizer, text)
+
+    async def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        return await self._run(
+            functools.partial(
+                apply_chat_template,
+                add_generation_prompt=add_generation_prompt,
+                template_kwargs=template_kwargs,
+            ),
+            self.tokenizer,
+            messages,
+        )
+
+    async def _run(self, fn: Any, *args: Any) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class IncrementalDetokenizer:

@@ -296,15 +296,20 @@ def make_client(
     adapters: dict[str, str] | None = None,
     adapter_root: Path | None = None,
     metrics: IngressMetrics | None = None,
+    runtime_adapter_dirs: tuple[str, ...] = ("/",),
+    **settings_args,
 ) -> httpx.AsyncClient:
     """An HTTP client for one ingress replica over `engine`; several clients over the same engine
-    are several ingress replicas of one app."""
+    are several ingress replicas of one app. Run-time loads may name any folder unless
+    `runtime_adapter_dirs` says otherwise; `settings_args` are more `ApiSettings` fields."""
     settings = ApiSettings(
         served_model_name=BASE,
         model_root="/models/tiny-base",
         adapters=adapters or {},
         adapter_root=str(adapter_root) if adapter_root is not None else None,
         max_lora_rank=16,
+        runtime_adapter_dirs=runtime_adapter_dirs,
+        **settings_args,
     )
     metrics = metrics if metrics is not None else IngressMetrics(FakeMetricsBackend())
     api = make_api(engine, tokenizer, settings, metrics=metrics)

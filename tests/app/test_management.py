@@ -111,7 +111,7 @@ class TestLoadAdapter:
             ("bin-only", 400, "pickle"),
             ("bad-json", 400, "not valid JSON"),
             ("no-config", 400, "adapter_config.json"),
-            ("missing", 404, "does not exist"),
+            ("missing", 400, "runtime_adapter_dirs"),  # as any path it may not load from
         ],
     )
     async def test_bad_folder_is_refused_before_any_replica_sees_it(

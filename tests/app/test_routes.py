@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -444,26 +445,30 @@ class TestErrors:
         assert error["message"] == "overloaded"
         assert error["type"] == "ServiceUnavailableError"
 
-    async def test_engine_error_after_streaming_began_is_an_sse_event(self, tokenizer):
+    async def test_engine_error_after_streaming_began_is_an_sse_event_without_internals(
+        self, tokenizer, caplog
+    ):
         engine = FakeEngine(
             text_chunks("ab", "cd"),
-            error=EngineError("device lost", 500, "InternalServerError"),
+            error=EngineError("internal engine error: CUDA device lost", 500),
             error_after=1,
         )
         payload = {"model": BASE, "prompt": "a", "stream": True}
-        async with make_client(engine, tokenizer) as client:
-            r = await client.post("/v1/completions", json=payload)
+        serve_logger = logging.getLogger("ray.serve")  # Ray's; it does not propagate
+        serve_logger.addHandler(caplog.handler)
+        try:
+            async with make_client(engine, tokenizer) as client:
+                r = await client.post("/v1/completions", json=payload)
+        finally:
+            serve_logger.removeHandler(caplog.handler)
         assert r.status_code == 200
         events = sse_events(r.text)
         assert events[0]["choices"][0]["text"] == "ab"
-        assert events[-2] == {
-            "error": {
-                "message": "device lost",
-                "type": "InternalServerError",
-                "param": None,
-                "code": None,
-            }
-        }
+        error = events[-2]["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "InternalServerError"
+        assert "failed" in error["message"] and "CUDA" not in error["message"]
+        assert "CUDA device lost" in caplog.text  # the operator still learns what happened
         assert events[-1] == "[DONE]"
 
     async def test_unknown_route_is_an_openai_404(self, tokenizer):
