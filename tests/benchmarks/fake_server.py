@@ -2,7 +2,9 @@
 127.0.0.1 in a thread: real sockets, real streaming, known timings.
 
 Each request streams `max_tokens` tokens: the first after `first_token_delay_s`, the rest in
-chunks of `tokens_per_chunk`, each chunk `token_delay_s` per token after the previous one.
+chunks of `tokens_per_chunk`, each chunk `token_delay_s` per token after the previous one. With
+`capacity`, at most that many requests stream at once and the others queue for their turn, so
+latency grows with the offered load.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class FakeConfig:
     usage_every_chunk: bool = False  # cumulative usage on every chunk, as vLLM can
     with_adapters_route: bool = True
     adapters: tuple[str, ...] = ADAPTERS
+    capacity: int | None = None  # requests streamed at once; None: no limit
 
 
 @dataclass
@@ -44,6 +47,7 @@ class FakeState:
 def make_app(config: FakeConfig, state: FakeState) -> FastAPI:
     app = FastAPI()
     served = {BASE, *config.adapters, BROKEN}
+    turns = asyncio.Semaphore(config.capacity) if config.capacity else None
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -69,6 +73,8 @@ def make_app(config: FakeConfig, state: FakeState) -> FastAPI:
             return JSONResponse({"error": error}, status_code=404)
         state.requests_by_model[body["model"]] += 1
         events = _events(config, body, chat)
+        if turns is not None:
+            events = _in_turn(turns, events)
         return StreamingResponse(events, media_type="text/event-stream")
 
     @app.post("/v1/completions")
@@ -108,6 +114,12 @@ async def _events(config: FakeConfig, body: dict, chat: bool) -> AsyncIterator[s
         usage_event = {"object": "chunk", "choices": [], "usage": _usage(prompt_tokens, sent)}
         yield f"data: {json.dumps(usage_event)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def _in_turn(turns: asyncio.Semaphore, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    async with turns:
+        async for event in events:
+            yield event
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
