@@ -87,7 +87,7 @@ from benchmarks.loadgen.runner import warm_up
 from benchmarks.loadgen.workload import rng_for, workload_digest
 from benchmarks.serve_engine import drive
 from benchmarks.serve_goodput import Goodput, Objectives, search
-from benchmarks.serve_roofline import Roofline, measure_ceilings, roofline
+from benchmarks.serve_roofline import FORMULA, Roofline, measure_ceilings, roofline
 from replicas.models.spec import ModelSpec
 
 BASE_MODEL = "base"
@@ -625,6 +625,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "replicas": args.replicas,
         "app_args": app.model_dump(mode="json", exclude={"adapters"}),
         "ceilings": ceilings.to_json(),
+        "roofline_formula": FORMULA,
         "roofline": roofs,
         "ratios": ratios(rows, args.replicas, wl.published),
         "digests": {s.label: workload_digest(s.specs) for s in http.streams},

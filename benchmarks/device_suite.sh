@@ -17,6 +17,10 @@
 #   bash benchmarks/device_suite.sh churn-chat-128               #   (also churn-chat-busy,
 #                                                                #   churn128-large: one a call)
 #   bash benchmarks/device_suite.sh churn128 seeds
+#   bash benchmarks/device_suite.sh serve                        # the app through HTTP against
+#   bash benchmarks/device_suite.sh serve-poisson                #   the engine in-process and the
+#   bash benchmarks/device_suite.sh serve-seeds                  #   roofline (Ray Serve; one a call)
+#   bash benchmarks/device_suite.sh serve-2x                     #   saturated on 2 GPUs
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
 #
@@ -117,6 +121,13 @@ for s in "$@"; do
                 --input-len 200:1000 --output-len 100:400 --popularity distinct --modes prefetch --kv-blocks 0 \
                 --max-num-seqs 128 --name seeds_shape \
                 --published "SGLang:ttft_p50_ms=62.65,itl_p50_ms=22.68" ;;
+        serve | serve-poisson | serve-seeds)  # workloads saturated, poisson, seeds
+            workload=saturated
+            [ "$s" != serve ] && workload="${s#serve-}"
+            stage "$s" 570 python -m benchmarks.bench_serve --workload "$workload" --out "$OUT" ;;
+        serve-2x)  # needs 2 GPUs
+            stage serve-2x 570 python -m benchmarks.bench_serve --workload saturated --replicas 2 \
+                --out "$OUT" ;;
         router | router-uniform)  # one popularity a call: three routers took 346 s on 2 H200s
             pop=skewed
             [ "$s" = router-uniform ] && pop=uniform

@@ -32,6 +32,13 @@ import torch
 from benchmarks.common import hbm_bandwidth, time_cuda
 from replicas.models.spec import ModelSpec
 
+FORMULA = (
+    "roofline_s = (2 * P * prompt tokens / GEMM rate + (decode steps * P * dtype bytes + KV bytes "
+    "read) / HBM bandwidth) / replicas; decode steps = ceil(sum(outputs - 1) / max_num_seqs); KV "
+    "bytes read = sum over decode tokens of context * 2 * layers * kv_heads * head_dim * dtype "
+    "bytes; P = layer projections + LM head"
+)
+
 
 @dataclass(frozen=True)
 class Ceilings:
