@@ -104,7 +104,9 @@ class Engine:
             )
         if request.adapter is not None:
             try:
-                self.adapters.resolve(request.adapter)
+                # From here on the request goes by its adapter's version: an unload and reload
+                # of the name while it runs leaves it on the weights it started with.
+                request.adapter = self.adapters.resolve(request.adapter)
             except AdapterError as e:
                 raise RequestRejected(str(e), e.status) from e
             request.cold_adapter = not self.adapters.is_resident(request.adapter)
@@ -112,31 +114,33 @@ class Engine:
         self.adapters.note_arrival()
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
-        """Serve a new adapter by name. Raises RequestRejected (400 bad files or name in use)."""
+        """Serve a new adapter by name, its weights file checked against the model (header and
+        layout; no tensor data is read). The name may have been unloaded a moment ago with
+        requests still running on it: they finish on the old weights, new ones get these.
+        Raises RequestRejected (400 bad files or name in use, 404 no such folder)."""
         try:
             self.adapters.register(name, path, pinned=pinned)
         except AdapterError as e:
             raise RequestRejected(str(e), e.status) from e
-        if pinned:
-            self.adapters.hint(name, time.monotonic())
 
     def unload_adapter(self, name: str) -> None:
-        """New requests for `name` get 404; queued and running ones finish with it."""
+        """New requests for `name` get 404 and the name is free to load again at once; queued
+        and running ones finish on the old weights, whose slot is freed with the last of them.
+        Raises RequestRejected 404 when `name` is not served."""
         try:
             self.adapters.unregister(name)
         except AdapterError as e:
             raise RequestRejected(str(e), e.status) from e
-        if all(r.adapter != name for r in self.scheduler.requests()):
-            self.adapters.forget(name)  # nothing uses it: the name is free again at once
+        self.adapters.drop_unused(self._adapters_in_use)
 
     def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
         """Someone outside the engine (the router) expects a request for `adapter` in `eta_s`
         seconds: start bringing it in. Unknown names are ignored."""
         try:
-            self.adapters.resolve(adapter)
+            key = self.adapters.resolve(adapter)
         except AdapterError:
             return
-        self.adapters.hint(adapter, time.monotonic() + eta_s)
+        self.adapters.hint(key, time.monotonic() + eta_s)
         self.adapters.note_arrival()
 
     def adapter_status(self) -> dict[str, dict]:
@@ -151,12 +155,13 @@ class Engine:
         `into_slot` into a GPU slot too: for benchmarks and tests that time steps without
         loads. Not for a serving loop (it sleeps). Raises TimeoutError."""
         deadline = time.monotonic() + timeout_s
-        while not self.adapters.prepare(name):
+        key = self.adapters.resolve(name)
+        while not self.adapters.prepare(key):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"adapter {name!r} was not read within {timeout_s:g} s")
             time.sleep(0.005)
-        if into_slot and self.adapters.acquire(name) is not None:
-            self.adapters.release(name)
+        if into_slot and self.adapters.acquire(key) is not None:
+            self.adapters.release(key)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and occupancy."""
@@ -205,6 +210,7 @@ class Engine:
         if request is None:
             return None
         self.runner.forget(request_id)
+        self.adapters.drop_unused(self._adapters_in_use)
         return RequestOutput(request_id, [], request.finish_reason, None, request.num_prompt_tokens)
 
     def step(self, on_idle: Callable[[], None] | None = None) -> list[RequestOutput]:
@@ -213,7 +219,7 @@ class Engine:
         microseconds) and may `add_request` or `prefetch_hint`: in prefetch mode, the adapters
         they name start loading during the step, not at the next one (a server passes its inbox
         here). Disk reads that finish while the step runs start their copies then too."""
-        self.adapters.before_step(self._waiting_needs, self._adapters_in_use)
+        self.adapters.before_step(self._waiting_needs)
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         self._stalled = sched.empty and not sched.failed and self.has_work
@@ -224,6 +230,9 @@ class Engine:
         if not sched.empty:
             tokens = self._run(sched, on_idle)
             outputs += self._postprocess(sched, tokens)
+        if any(o.finished for o in outputs):
+            # Now, not at the next step: an engine left idle must free them too.
+            self.adapters.drop_unused(self._adapters_in_use)
         return outputs
 
     def _run(self, sched: SchedulerOutput, on_idle: Callable[[], None] | None) -> list[int]:
@@ -313,4 +322,5 @@ class Engine:
             outputs.append(
                 RequestOutput(request.request_id, [], "error", message, request.num_prompt_tokens)
             )
+        self.adapters.drop_unused(self._adapters_in_use)
         return outputs

@@ -54,7 +54,9 @@ class SamplingParams:
 
 @dataclass(eq=False)  # a request is itself: membership tests in the scheduler compare identity
 class Request:
-    """A generation request. `adapter` is the adapter name, or None for the base model.
+    """A generation request. `adapter` names the adapter (None: the base model); once queued, it
+    is the engine's key for the version the name resolved to (`replicas/adapters/registry.py`),
+    the name itself unless the name was reloaded while an older version was still in use.
 
     KV state: `num_computed_tokens` tokens of `token_ids` have their keys and values written in
     the blocks listed in `block_table`. `slot` is the adapter's GPU slot while the request holds

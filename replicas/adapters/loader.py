@@ -82,12 +82,10 @@ class AdapterConfig:
         return self.lora_alpha if alpha is None else float(alpha)
 
     def module_rank(self, module: str) -> int:
-        """The rank PEFT gives `module` (a full name, `model.layers.0.self_attn.q_proj`): the
-        first `rank_pattern` key matching its end at a name boundary, else `r`."""
-        for pattern, rank in self.rank_pattern.items():
-            if re.match(rf"(.*\.)?({pattern})$", module):
-                return int(rank)
-        return self.rank
+        """The rank PEFT gives `module` (a full name, `model.layers.0.self_attn.q_proj`): its
+        `rank_pattern` value, else `r`."""
+        rank = peft_pattern_value(self.rank_pattern, module)
+        return self.rank if rank is None else int(rank)
 
     def applies_to(self, layer: int, target: str) -> bool:
         """Whether the config puts LoRA on `target` of `layer`, as PEFT decides it: the

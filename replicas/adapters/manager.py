@@ -1,8 +1,12 @@
-"""The engine's adapter manager: name -> path -> host weights -> GPU slot.
+"""The engine's adapter manager: name -> version -> host weights -> GPU slot.
 
 A thin facade over parts that each do one job, wired here for the engine:
 
-- `AdapterRegistry` (registry.py): names -> folders; register, unregister, retired names.
+- `AdapterRegistry` (registry.py): names -> versions (folders); register, unregister, retired
+  versions. Everything below it, and the requests, go by a version's `key`: unloading a name
+  frees it at once, a reload gets new weights under a new key, and the requests holding the old
+  key finish on the old weights, whose slot and host memory go with the last of them
+  (`drop_unused`).
 - `AdapterReader` (reader.py): disk -> pinned host memory (`HostCache`), reads taking turns.
 - `Uploader` (uploader.py): host -> GPU slot on the load stream, with per-layer events.
 - `SlotPool` (slot_pool.py): which adapter sits in which slot; `PrefetchQueue` (prefetcher.py):
@@ -11,10 +15,11 @@ A thin facade over parts that each do one job, wired here for the engine:
 - `LoadingMode` (modes.py): "blocking", "overlap" or "prefetch", chosen once.
 
 It implements the scheduler's `AdapterGate` (is_resident, prepare, copy_settled, acquire,
-release) and the engine's per-step hooks: `before_step` (between steps, before scheduling),
-`start_step` (what the step's layers wait on), `step_launched` and `poll_during_step` (while the
-device runs the step), `after_step` (learn from its time). Only the engine thread calls into
-this object; the reader's pool threads only read files.
+release; over keys, which `Request.adapter` holds once queued) and the engine's per-step hooks:
+`before_step` (between steps, before scheduling), `start_step` (what the step's layers wait on),
+`step_launched` and `poll_during_step` (while the device runs the step), `after_step` (learn from
+its time). Only the engine thread calls into this object; the reader's pool threads only read
+files.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 
 from replicas.adapters.host_cache import HostCache
-from replicas.adapters.loader import AdapterError, AdapterWeights
+from replicas.adapters.loader import AdapterError, AdapterWeights, check_adapter_files
 from replicas.adapters.modes import loading_mode
 from replicas.adapters.policy import READ_WORKERS, CopyBudget, ReadTurns
 from replicas.adapters.prefetcher import PrefetchQueue, SlotView
@@ -55,13 +60,23 @@ class StepLoads:
 
 class AdapterManager:
     def __init__(
-        self, spec: ModelSpec, weights: SlotWeights, max_lora_rank: int,
-        adapters: dict[str, str], adapter_root: str | None, max_loaded_loras: int,
-        dtype: torch.dtype, mode: str = "prefetch", pinned: tuple[str, ...] = (),
-        read_workers: int = READ_WORKERS, eviction_policy: str = "lru",
+        self,
+        spec: ModelSpec,
+        weights: SlotWeights,
+        max_lora_rank: int,
+        adapters: dict[str, str],
+        adapter_root: str | None,
+        max_loaded_loras: int,
+        dtype: torch.dtype,
+        mode: str = "prefetch",
+        pinned: tuple[str, ...] = (),
+        read_workers: int = READ_WORKERS,
+        eviction_policy: str = "lru",
         max_loaded_bytes: int | None = None,
     ) -> None:
         self.mode = loading_mode(mode)
+        self.spec = spec
+        self.max_lora_rank = max_lora_rank
         self.registry = AdapterRegistry(adapters, adapter_root, max_lora_rank, pinned)
         self.stats = AdapterStats()
         self.slots = SlotPool(weights.num_slots, eviction_policy)
@@ -72,8 +87,11 @@ class AdapterManager:
         on_cuda = weights.device.type == "cuda"
         pack = weights.pack_file if on_cuda else (lambda file: file.to_weights(dtype))
         self.reader = AdapterReader(
-            WeightsFromDisk(spec, max_lora_rank, pack), self.host, self.stats,
-            ReadTurns(read_workers), is_pinned=self.registry.is_pinned,
+            WeightsFromDisk(spec, max_lora_rank, pack),
+            self.host,
+            self.stats,
+            ReadTurns(read_workers),
+            is_pinned=self.registry.is_pinned,
             on_failure=self.queue.discard,
         )
         self.uploader = Uploader(weights, self.stats, load_stream=self.mode.load_stream)
@@ -84,28 +102,49 @@ class AdapterManager:
 
     # -- names ------------------------------------------------------------------------------------
 
-    def resolve(self, name: str) -> Path:
-        """The folder of an adapter new requests may use. Raises AdapterError (404, 400)."""
-        return self.registry.resolve(name)
+    def resolve(self, name: str) -> str:
+        """The key new requests for `name` go by. Raises AdapterError (404, 400)."""
+        return self.registry.resolve(name).key
 
-    def register(self, name: str, path: str | Path, *, pinned: bool = False) -> None:
-        """Serve the adapter at `path` as `name` from now on. Raises AdapterError."""
-        self.registry.register(name, path, pinned=pinned)
+    def register(self, name: str, path: str | Path, *, pinned: bool = False) -> str:
+        """Serve the adapter at `path` as `name` from now on, under a new key (returned). Its
+        weights file is checked against the model first, header and layout only
+        (`check_adapter_files`). Raises AdapterError (400: bad files or name in use; 404: no
+        such folder)."""
+        version = self.registry.register(
+            name,
+            path,
+            pinned=pinned,
+            check=lambda p: check_adapter_files(name, p, self.max_lora_rank, self.spec),
+        )
+        if pinned:
+            self.hint(version.key, time.monotonic())
+        return version.key
 
     def unregister(self, name: str) -> None:
-        """New requests for `name` get 404 from now on; requests already queued or running
-        finish with it. `forget` drops its weights once no request refers to it."""
-        self.registry.unregister(name)
-        self.queue.discard(name)
-        if name in self.slots:
-            self.slots.set_pinned(name, False)
+        """Free `name` at once: new requests get 404, a register makes a new version. Requests
+        already holding the old version finish on it; `drop_unused` then frees its slot and
+        weights. Raises AdapterError 404 when `name` is not served."""
+        version = self.registry.unregister(name)
+        if version is None:
+            return
+        self.queue.discard(version.key)
+        if version.key in self.slots:
+            self.slots.set_pinned(version.key, False)
 
-    def forget(self, name: str) -> None:
-        """Drop a retired adapter's weights (no request refers to it any more)."""
-        self.registry.forget(name)
-        self.reader.drop(name)
-        if name in self.slots and self.slots.holds(name) == 0:
-            self.slots.remove(name)
+    def drop_unused(self, in_use: Callable[[], set[str | None]]) -> None:
+        """Drop every retired version no request refers to (`in_use()`: the keys of every queued
+        or running request; asked only while some version is retired): its weights, a read in
+        flight, its slot (no request holds it). The engine calls this whenever requests may have
+        ended or a name was unloaded, so an idle engine frees them too."""
+        if not self.registry.retired:
+            return
+        for key in self.registry.unused_retired(in_use()):
+            self.registry.drop(key)
+            self.reader.drop(key)
+            self.queue.discard(key)
+            if key in self.slots:
+                self.slots.remove(key)
 
     def served(self) -> ServedAdapters:
         return self.registry.served()
@@ -206,15 +245,8 @@ class AdapterManager:
 
     # -- the engine's step ----------------------------------------------------------------------
 
-    def before_step(
-        self, waiting: Callable[[], Iterable[Need]], in_use: Callable[[], set[str | None]]
-    ) -> None:
-        """Between steps, before scheduling: drop retired adapters no request uses any more
-        (`in_use()`: the adapters of every queued or running request), then `tick` with the
-        waiting requests' needs."""
-        if self.registry.retired:
-            for name in self.registry.unused_retired(in_use()):
-                self.forget(name)
+    def before_step(self, waiting: Callable[[], Iterable[Need]]) -> None:
+        """Between steps, before scheduling: `tick` with the waiting requests' needs."""
         self.uploader.new_step()
         self.tick(waiting())
 
@@ -251,18 +283,24 @@ class AdapterManager:
     # -- reporting ------------------------------------------------------------------------------
 
     def status(self) -> dict[str, dict]:
-        """Every adapter this replica knows and where it is: "gpu", "loading" (disk read or
-        host->GPU copy in flight), "host" or "disk". Not for the hot path (queries events)."""
-        names = self.registry.names() | set(self.slots.resident) | set(self.host)
-        names |= set(self.reader.reading())
-        out = {}
-        for name in sorted(names):
-            slot = self.slots.slot_of(name)
-            weights = self.host.peek(name)
+        """Every adapter this replica knows, by name, and where it is: "gpu", "loading" (disk
+        read or host->GPU copy in flight), "host" or "disk". A name's live version is reported;
+        a retired one (`unloading`: requests still running on it) only while the name has no
+        live version. Not for the hot path (queries events)."""
+        keys = self.registry.keys() | set(self.slots.resident) | set(self.host)
+        keys |= set(self.reader.reading())
+        out: dict[str, dict] = {}
+        for key in sorted(keys):
+            name = self.registry.name_of(key)
+            retired = self.registry.is_retired(key)
+            if name in out and (retired or not out[name]["unloading"]):
+                continue
+            slot = self.slots.slot_of(key)
+            weights = self.host.peek(key)
             if slot is not None:
                 copy = self.uploader.pending(slot)
                 tier = "loading" if copy is not None and not copy.landed() else "gpu"
-            elif name in self.reader:
+            elif key in self.reader:
                 tier = "loading"
             else:
                 tier = "host" if weights is not None else "disk"
@@ -271,14 +309,14 @@ class AdapterManager:
                 "slot": slot,
                 "rank": None if weights is None else weights.rank,
                 "size_bytes": None if weights is None else weights.nbytes,
-                "pinned": self.registry.is_pinned(name),
-                "unloading": name in self.registry.retired,
+                "pinned": self.registry.is_pinned(key),
+                "unloading": retired,
             }
-        return out
+        return dict(sorted(out.items()))
 
     def residency(self) -> dict[str, list[str]]:
-        """The adapters new requests may use, by tier: "gpu", "loading", "host" (the router's
-        view; retired adapters left out). Not for the hot path (queries events)."""
+        """The adapters new requests may use, by name and tier: "gpu", "loading", "host" (the
+        router's view; retired versions left out). Not for the hot path (queries events)."""
         tiers: dict[str, list[str]] = {"gpu": [], "loading": [], "host": []}
         for name, status in self.status().items():
             tier = tiers.get(status["tier"])

@@ -1,19 +1,41 @@
-"""Adapter names: which folder each name serves, and which names new requests may still use.
+"""Adapter names and their versions: which folder each name serves now, and which versions
+requests still use.
 
-A name resolves to an adapter registered at start-up or later (`register`), else to
-`adapter_root/<name>` when that folder exists. `unregister` retires a name: new requests get 404
-at once, while requests already queued or running finish with it (`path` still finds it);
-`forget` drops it once no request refers to it. Folders are checked cheaply here (config and
-files, `read_adapter_config`); the weights are read later, by the reader.
+Each registration of a name is a new `AdapterVersion` with its own `key`: the identity its
+weights, slot and requests go by in the adapter manager. A name resolves to its live version --
+one configured at start-up or loaded later (`register`), else `adapter_root/<name>` once a request
+names that folder. `unregister` frees the name at once: new requests get 404, and a `register` of
+the same name right after makes a new version (a new key, its own weights), while the requests
+already holding the old key finish on it (`path` still finds it). `drop` forgets a retired version
+once no request refers to it; the manager calls it as soon as the last one ends. The key is the
+name itself unless an older version still in use holds it (then `name#2`, `name#3`, ...).
+
+Folders are checked cheaply here (config and files, `read_adapter_config`); a load's full check of
+the weights file (`check`) and the weights themselves are the manager's and the reader's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from replicas.adapters.loader import AdapterError, read_adapter_config
+
+Source = Literal["config", "runtime", "adapter_root"]
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """One registration of a name."""
+
+    name: str
+    path: Path
+    key: str  # unique among the versions not yet dropped
+    source: Source
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -26,6 +48,8 @@ class ServedAdapters:
 
 
 class AdapterRegistry:
+    """Only the engine thread calls into this object."""
+
     def __init__(
         self,
         adapters: dict[str, str],
@@ -35,68 +59,121 @@ class AdapterRegistry:
     ) -> None:
         self.adapter_root = Path(adapter_root) if adapter_root else None
         self.max_lora_rank = max_lora_rank
-        self.paths: dict[str, Path] = {name: Path(p) for name, p in adapters.items()}
-        self.pinned: set[str] = set(pinned)
-        self.retired: dict[str, Path] = {}  # unloaded, still used by queued or running requests
-        self.unloaded: set[str] = set()  # names new requests may not use
+        self._pinned_names = frozenset(pinned)  # configured pinning, adapter_root names included
+        self._live: dict[str, AdapterVersion] = {}  # name -> the version new requests get
+        self._versions: dict[str, AdapterVersion] = {}  # key -> every version not dropped
+        self.retired: set[str] = set()  # keys of versions unloaded but not dropped yet
+        self.unloaded: set[str] = set()  # names unloaded and not registered again
+        self._suffixes = itertools.count(2)
+        for name, path in adapters.items():
+            self._add(name, Path(path), "config", pinned=name in self._pinned_names)
 
-    def resolve(self, name: str) -> Path:
-        """The folder of an adapter new requests may use, checked cheaply (config and files).
-        Raises AdapterError: 404 for an unknown or unloaded name, 400 for unusable files."""
-        path = self.paths.get(name)
-        if path is None and name not in self.unloaded and self._under_root(name):
-            path = self.adapter_root / name
-        if path is None:
+    # -- names -> versions ----------------------------------------------------------------------
+
+    def resolve(self, name: str) -> AdapterVersion:
+        """The version new requests for `name` get, its folder checked cheaply (config and
+        files). Raises AdapterError: 404 for an unknown or unloaded name, 400 for unusable
+        files."""
+        version = self._live.get(name)
+        if version is None and name not in self.unloaded and self._under_root(name):
+            read_adapter_config(self.adapter_root / name, self.max_lora_rank)
+            version = self._add(
+                name, self.adapter_root / name, "adapter_root", pinned=name in self._pinned_names
+            )
+        if version is None:
             raise AdapterError(f"the model {name!r} does not exist", status=404)
-        read_adapter_config(path, self.max_lora_rank)
-        return path
+        read_adapter_config(version.path, self.max_lora_rank)
+        return version
 
-    def path(self, name: str) -> Path:
-        """Where a queued request's adapter lives, retired ones included. Raises AdapterError."""
-        if name in self.retired:
-            return self.retired[name]
-        return self.resolve(name)
-
-    def register(self, name: str, path: str | Path, *, pinned: bool = False) -> None:
-        """Serve the adapter at `path` as `name` from now on. Raises AdapterError."""
-        if name in self.paths or name in self.retired:
+    def register(
+        self,
+        name: str,
+        path: str | Path,
+        *,
+        pinned: bool = False,
+        check: Callable[[Path], object] | None = None,
+    ) -> AdapterVersion:
+        """Serve the adapter at `path` as `name` from now on, as a new version. `check(path)`
+        (default: the cheap config check) may raise AdapterError to refuse it. Raises
+        AdapterError: 400 when `name` is live (even with requests of an unloaded older version
+        still running, the name is free)."""
+        if name in self._live:
             raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
-        read_adapter_config(path, self.max_lora_rank)
-        self.paths[name] = Path(path)
-        self.unloaded.discard(name)
-        if pinned:
-            self.pinned.add(name)
-
-    def unregister(self, name: str) -> None:
-        """Retire `name`: new requests may not use it from now on. Raises AdapterError 404 when
-        it is not served."""
-        if name in self.paths:
-            self.retired[name] = self.paths.pop(name)
-        elif name not in self.unloaded and self._under_root(name):
-            self.retired[name] = self.adapter_root / name
+        path = Path(path)
+        if check is None:
+            read_adapter_config(path, self.max_lora_rank)
         else:
+            check(path)
+        self.unloaded.discard(name)
+        return self._add(name, path, "runtime", pinned=pinned)
+
+    def unregister(self, name: str) -> AdapterVersion | None:
+        """Free `name`: new requests get 404 from now on. Returns the version it retired (None
+        for an adapter_root folder no request had named yet). Raises AdapterError 404 when
+        `name` is not served."""
+        version = self._live.pop(name, None)
+        if version is not None:
+            self.retired.add(version.key)
+        elif name in self.unloaded or not self._under_root(name):
             raise AdapterError(f"adapter {name!r} is not loaded", status=404)
         self.unloaded.add(name)
-        self.pinned.discard(name)
+        return version
 
-    def forget(self, name: str) -> None:
-        """A retired name that no request refers to any more."""
-        self.retired.pop(name, None)
+    def drop(self, key: str) -> None:
+        """Forget a retired version: no request refers to it any more."""
+        if key in self.retired:
+            self.retired.discard(key)
+            del self._versions[key]
 
     def unused_retired(self, in_use: set[str | None]) -> list[str]:
-        return [name for name in self.retired if name not in in_use]
+        """Keys of retired versions that no key in `in_use` refers to."""
+        return [key for key in self.retired if key not in in_use]
 
-    def is_pinned(self, name: str) -> bool:
-        return name in self.pinned
+    # -- versions -------------------------------------------------------------------------------
 
-    def names(self) -> set[str]:
-        """Every name registered or retired (adapter_root folders only once used elsewhere)."""
-        return set(self.paths) | set(self.retired)
+    def path(self, key: str) -> Path:
+        """The folder of a version (retired ones included). Raises AdapterError 404 for a key
+        no version has (dropped)."""
+        version = self._versions.get(key)
+        if version is None:
+            raise AdapterError(f"adapter version {key!r} no longer exists", status=404)
+        return version.path
+
+    def name_of(self, key: str) -> str:
+        """The name a version serves (the key itself for a key no version has)."""
+        version = self._versions.get(key)
+        return key if version is None else version.name
+
+    def is_pinned(self, key: str) -> bool:
+        """Pinned and live (unloading unpins)."""
+        version = self._versions.get(key)
+        return version is not None and version.pinned and key not in self.retired
+
+    def is_retired(self, key: str) -> bool:
+        return key in self.retired
+
+    def keys(self) -> set[str]:
+        """Every version's key, live or retired."""
+        return set(self._versions)
 
     def served(self) -> ServedAdapters:
-        return ServedAdapters(
-            {name: str(path) for name, path in self.paths.items()}, tuple(sorted(self.unloaded))
-        )
+        adapters = {
+            name: str(version.path)
+            for name, version in self._live.items()
+            if version.source != "adapter_root"
+        }
+        return ServedAdapters(adapters, tuple(sorted(self.unloaded)))
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _add(self, name: str, path: Path, source: Source, *, pinned: bool) -> AdapterVersion:
+        key = name
+        while key in self._versions:  # an older version of the name (or a name like it) holds it
+            key = f"{name}#{next(self._suffixes)}"
+        version = AdapterVersion(name, path, key, source, pinned)
+        self._versions[key] = version
+        self._live[name] = version
+        return version
 
     def _under_root(self, name: str) -> bool:
         return (

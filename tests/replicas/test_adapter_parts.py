@@ -46,8 +46,14 @@ class FakeFiles:
 @pytest.fixture
 def parts():
     files, failures = FakeFiles(), []
-    reader = AdapterReader(files, HostCache(4), AdapterStats(), ReadTurns(workers=1),
-                           is_pinned=lambda name: False, on_failure=failures.append)
+    reader = AdapterReader(
+        files,
+        HostCache(4),
+        AdapterStats(),
+        ReadTurns(workers=1),
+        is_pinned=lambda name: False,
+        on_failure=failures.append,
+    )
     yield reader, files, failures
     for gate in files.gates.values():
         gate.set()
@@ -120,31 +126,47 @@ def adapter_root(models, tmp_path_factory):
 class TestRegistry:
     def test_names_resolve_to_registered_folders_then_to_the_root(self, adapter_root):
         registry = AdapterRegistry({"x": str(adapter_root / "r1")}, str(adapter_root), 8)
-        assert registry.resolve("x") == adapter_root / "r1"
-        assert registry.resolve("r2") == adapter_root / "r2"
+        assert registry.resolve("x").path == adapter_root / "r1"
+        assert registry.resolve("r2").path == adapter_root / "r2"
+        assert registry.served().adapters == {"x": str(adapter_root / "r1")}  # root not listed
         for name in ("missing", "../r1", ""):
             with pytest.raises(AdapterError) as e:
                 registry.resolve(name)
             assert e.value.status == 404
 
-    def test_a_retired_name_serves_its_queued_requests_only(self, adapter_root):
+    def test_unload_frees_the_name_at_once_and_a_reload_is_a_new_version(self, adapter_root):
         registry = AdapterRegistry({"x": str(adapter_root / "r1")}, None, 8, pinned=("x",))
+        old = registry.resolve("x")
+        assert registry.is_pinned(old.key)
         registry.unregister("x")
-        with pytest.raises(AdapterError):
+        with pytest.raises(AdapterError) as e:
             registry.resolve("x")
-        assert registry.path("x") == adapter_root / "r1"  # for the requests already queued
-        assert not registry.is_pinned("x")
-        assert registry.unused_retired({"x"}) == [] and registry.unused_retired(set()) == ["x"]
+        assert e.value.status == 404
+        assert registry.path(old.key) == adapter_root / "r1"  # for the requests already queued
+        assert not registry.is_pinned(old.key) and registry.is_retired(old.key)
+        new = registry.register("x", adapter_root / "r2")  # while the old one is still in use
+        assert new.key != old.key and registry.resolve("x") == new
+        assert registry.name_of(new.key) == registry.name_of(old.key) == "x"
+        assert registry.unused_retired({old.key}) == []
+        assert registry.unused_retired({new.key}) == [old.key]
+        registry.drop(old.key)
+        with pytest.raises(AdapterError):
+            registry.path(old.key)
+        assert registry.keys() == {new.key}
         with pytest.raises(AdapterError, match="already loaded"):
-            registry.register("x", adapter_root / "r2")  # not until its requests are done
-        registry.forget("x")
-        registry.register("x", adapter_root / "r2")
-        assert registry.resolve("x") == adapter_root / "r2"
+            registry.register("x", adapter_root / "r1")  # the live name is taken
+
+    def test_keys_stay_unique_when_names_look_like_versions(self, adapter_root):
+        registry = AdapterRegistry({"x": str(adapter_root / "r1")}, None, 8)
+        registry.unregister("x")
+        second = registry.register("x", adapter_root / "r2")  # "x" still held by the old one
+        third = registry.register(second.key, adapter_root / "r1")  # a name equal to that key
+        assert len({"x", second.key, third.key}) == 3
+        assert registry.resolve(second.key) == third
 
     def test_unloading_a_root_folder_hides_it_until_registered_again(self, adapter_root):
         registry = AdapterRegistry({}, str(adapter_root), 8)
         registry.unregister("r1")
-        registry.forget("r1")
         with pytest.raises(AdapterError):
             registry.resolve("r1")
         assert registry.served().unloaded == ("r1",)
@@ -159,4 +181,4 @@ class TestRegistry:
         path = make_adapter(models["llama"], tmp_path / "big", rank=8, target_modules=["q_proj"])
         with pytest.raises(AdapterError) as e:
             registry.register("big", path)
-        assert e.value.status == 400 and "big" not in registry.names()
+        assert e.value.status == 400 and registry.keys() == set()

@@ -22,11 +22,22 @@ PROMPTS = [[5, 17, 200, 33, 98, 4], [61, 150, 7, 12, 250, 3, 44, 9], [8, 8, 8], 
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
-    targets = [["q_proj", "v_proj"], ALL, ["o_proj", "down_proj"], ["k_proj", "up_proj"],
-               ["gate_proj"]]
+    targets = [
+        ["q_proj", "v_proj"],
+        ALL,
+        ["o_proj", "down_proj"],
+        ["k_proj", "up_proj"],
+        ["gate_proj"],
+    ]
     return {
-        f"ad{i}": make_adapter(models["llama"], root / f"ad{i}", rank=2 + 2 * i,
-                               lora_alpha=16, target_modules=targets[i], seed=10 + i)
+        f"ad{i}": make_adapter(
+            models["llama"],
+            root / f"ad{i}",
+            rank=2 + 2 * i,
+            lora_alpha=16,
+            target_modules=targets[i],
+            seed=10 + i,
+        )
         for i in range(5)
     }
 
@@ -79,8 +90,9 @@ def drive(engine, requests, check=None, timeout_s=300):
 
 @pytest.mark.parametrize("mode", ["blocking", "overlap", "prefetch"])
 def test_churn_through_fewer_slots_matches_peft(models, fleet, mode):
-    engine = fleet_engine(models, fleet, max_loras_per_batch=2, max_loaded_loras=2,
-                          adapter_loading=mode)
+    engine = fleet_engine(
+        models, fleet, max_loras_per_batch=2, max_loaded_loras=2, adapter_loading=mode
+    )
     requests, expected = [], {}
     for i, prompt in enumerate(PROMPTS):
         for j, name in enumerate(fleet):
@@ -127,16 +139,20 @@ def test_ready_requests_keep_running_while_a_cold_adapter_loads(models, fleet):
 
 
 def test_pinned_adapter_is_never_evicted(models, fleet):
-    engine = fleet_engine(models, fleet, max_loras_per_batch=2, max_loaded_loras=2,
-                          pinned_adapters=("ad0",))
+    engine = fleet_engine(
+        models, fleet, max_loras_per_batch=2, max_loaded_loras=2, pinned_adapters=("ad0",)
+    )
     run_to_completion(engine, [Request("p", PROMPTS[0], greedy(1), "ad0")])
     slot = engine.adapters.slots.slot_of("ad0")
 
     def pinned_stays(e):
         assert e.adapters.slots.slot_of("ad0") == slot
 
-    requests = [Request(f"{n}-{i}", p, greedy(3), n)
-                for i, p in enumerate(PROMPTS) for n in ("ad1", "ad2", "ad3")]
+    requests = [
+        Request(f"{n}-{i}", p, greedy(3), n)
+        for i, p in enumerate(PROMPTS)
+        for n in ("ad1", "ad2", "ad3")
+    ]
     drive(engine, requests, check=pinned_stays)
     assert engine.adapters.stats.gpu_loads >= 4  # the others churned through the other slot
 
@@ -348,8 +364,9 @@ def test_prefetch_queues_no_more_than_the_copy_window(models, fleet, monkeypatch
 
 
 def test_step_timings_mark_the_steps_that_waited_on_a_load(models, fleet):
-    engine = fleet_engine(models, fleet, max_loras_per_batch=2, max_loaded_loras=5,
-                          adapter_loading="blocking")
+    engine = fleet_engine(
+        models, fleet, max_loras_per_batch=2, max_loaded_loras=5, adapter_loading="blocking"
+    )
     names = list(fleet)[:3]
     for name in names:  # one at a time: each admission loads its adapter into a slot
         drive(engine, [Request(f"{name}-t", PROMPTS[0], greedy(3), name)])
@@ -526,7 +543,7 @@ def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
     engine.hint([("x", 0.0), ("y", 0.1)])
     post("call", (lambda e: log.append(("call", "load")), (), None, None))
     post("add", GenerateRequest("r2", [1], greedy(1), "loaded-by-the-call"))
-    post("abort", "r1")
+    post("abort", ("r1", None))
     engine._take_intake()
     engine._take_intake()  # a held item stops every later mid-step intake too
     assert log == [("add", "r1"), ("hint", "x"), ("hint", "y")]

@@ -17,8 +17,14 @@ from tests.replicas.conftest import greedy, make_engine, run_to_completion
 
 @pytest.fixture(scope="module")
 def good_adapter(models, tmp_path_factory):
-    return make_adapter(models["llama"], tmp_path_factory.mktemp("good") / "good", rank=8,
-                        lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=1)
+    return make_adapter(
+        models["llama"],
+        tmp_path_factory.mktemp("good") / "good",
+        rank=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj"],
+        seed=1,
+    )
 
 
 def broken_copy(good, tmp_path, name):
@@ -83,8 +89,9 @@ class TestValidation:
         for key, (a, b) in want.items():
             assert torch.equal(got[key][0], a) and torch.equal(got[key][1], b)
 
-    def test_a_file_larger_than_any_adapter_is_refused_unread(self, models, good_adapter,
-                                                               tmp_path, monkeypatch):
+    def test_a_file_larger_than_any_adapter_is_refused_unread(
+        self, models, good_adapter, tmp_path, monkeypatch
+    ):
         from replicas.adapters import loader
 
         path = broken_copy(good_adapter, tmp_path, "huge")
@@ -101,8 +108,7 @@ class TestValidation:
         with pytest.raises(AdapterError, match="follow the last tensor"):
             load_adapter("t", path, spec, 16)
 
-    def test_a_file_read_in_ranges_gives_the_same_weights(self, models, good_adapter,
-                                                           monkeypatch):
+    def test_a_file_read_in_ranges_gives_the_same_weights(self, models, good_adapter, monkeypatch):
         """Large files are read in ranges on several threads: the ranges must tile the file."""
         from replicas.adapters import loader
 
@@ -150,19 +156,28 @@ class TestValidation:
             load_adapter("i", path, ModelSpec.from_dir(models["llama"]), 16)
 
     def test_shapes_checked_against_the_model(self, models, good_adapter):
-        with pytest.raises(AdapterError, match=r"q_proj.lora_B.weight' has shape \[64, 8\]; "
-                           r"expected \[128, 8\]"):
+        with pytest.raises(
+            AdapterError,
+            match=r"q_proj.lora_B.weight' has shape \[64, 8\]; "
+            r"expected \[128, 8\]",
+        ):
             load_adapter("x", good_adapter, ModelSpec.from_dir(models["qwen3"]), 16)
 
     def test_corrupt_adapter_fails_its_request_only(self, models, good_adapter, tmp_path):
         bad = broken_copy(good_adapter, tmp_path, "corrupt")
         (bad / "adapter_model.safetensors").write_bytes(b"garbage")
-        engine = make_engine(models["llama"],
-                             adapters=(("good", str(good_adapter)), ("bad", str(bad))))
+        engine = make_engine(
+            models["llama"], adapters=(("good", str(good_adapter)), ("bad", str(bad)))
+        )
         prompt = [5, 6, 7, 8]
-        results = run_to_completion(engine, [Request("b", prompt, greedy(4), "bad"),
-                                             Request("g", prompt, greedy(4), "good"),
-                                             Request("n", prompt, greedy(4))])
+        results = run_to_completion(
+            engine,
+            [
+                Request("b", prompt, greedy(4), "bad"),
+                Request("g", prompt, greedy(4), "good"),
+                Request("n", prompt, greedy(4)),
+            ],
+        )
         assert results["b"] == ([], "error")
         assert results["g"][0] == hf_greedy(models["llama"], prompt, 4, adapter_dir=good_adapter)
         assert results["n"][0] == hf_greedy(models["llama"], prompt, 4)
