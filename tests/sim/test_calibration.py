@@ -1,0 +1,69 @@
+"""The simulator's calibration: the step-cost fit, the JSON it is kept in, and the command that
+measures it, run on CPU with a tiny model so its code path is exercised."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim.calibrate import main as calibrate_main
+from sim.calibration import DEFAULT, Calibration, StepCost, StepSample
+
+
+def samples_of(cost: StepCost) -> list[StepSample]:
+    return [
+        StepSample(seqs, adapters, prefill, cost.step_s(seqs, adapters, prefill))
+        for seqs, adapters, prefill in [
+            (1, 1, 0), (8, 1, 0), (8, 4, 0), (32, 8, 0), (64, 8, 0), (1, 1, 512), (1, 1, 1024),
+        ]
+    ]  # fmt: skip
+
+
+class TestFit:
+    def test_recovers_the_terms_of_exact_samples(self):
+        truth = StepCost(base_s=0.011, per_seq_s=2e-4, per_adapter_s=3e-4, prefill_token_s=5e-5)
+        fitted = StepCost.fit(samples_of(truth))
+        for name in ("base_s", "per_seq_s", "per_adapter_s", "prefill_token_s"):
+            assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+
+    def test_negative_terms_are_clipped_to_zero(self):
+        # Steps that get faster with more sequences (noise) must not make a negative cost.
+        samples = [StepSample(s, 1, 0, 0.02 - 1e-4 * s) for s in (1, 8, 16, 32)]
+        samples += [StepSample(1, 1, 256, 0.03), StepSample(1, 1, 512, 0.04)]
+        assert StepCost.fit(samples).per_seq_s == 0.0
+
+    def test_needs_enough_samples(self):
+        with pytest.raises(ValueError, match="at least 4"):
+            StepCost.fit(samples_of(DEFAULT.step)[:3])
+
+
+class TestJson:
+    def test_round_trip(self, tmp_path):
+        cal = Calibration(
+            step=DEFAULT.step, copy_s=0.002, read_s=0.03, adapter_bytes=1 << 20,
+            source={"device": "x"}, samples=tuple(samples_of(DEFAULT.step)),
+        )  # fmt: skip
+        cal.save(tmp_path / "c.json")
+        assert Calibration.load(tmp_path / "c.json") == cal
+
+    def test_a_file_missing_a_cost_is_refused(self, tmp_path):
+        data = DEFAULT.to_json()
+        del data["copy_s"]
+        (tmp_path / "c.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="not a simulator calibration"):
+            Calibration.load(tmp_path / "c.json")
+
+
+def test_the_command_measures_the_real_engine_on_cpu(tmp_path):
+    out = tmp_path / "sim_calibration.json"
+    args = ["--smoke", "--out", str(out), "--batches", "1,2", "--adapters", "1", "--reads", "1"]
+    assert calibrate_main([*args, "--prefills", "16,32", "--decode-steps", "2"]) == 0
+    cal = Calibration.load(out)
+    assert cal.source["device"] == "cpu" and cal.source["model"] == "tiny (smoke)"
+    assert cal.copy_s > 0 and cal.read_s > 0 and cal.adapter_bytes > 0
+    decode = {(s.seqs, s.adapters) for s in cal.samples if s.prefill_tokens == 0}
+    assert decode == {(1, 1), (2, 1)}
+    assert sorted({s.prefill_tokens for s in cal.samples} - {0}) == [16, 32]
+    assert all(s.seconds > 0 for s in cal.samples)
+    assert cal.step_s(2, 1, 16) > 0
