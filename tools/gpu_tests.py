@@ -30,9 +30,19 @@ def outcomes(junit_xml: Path) -> list[dict[str, str]]:
             outcome = "skipped"
         else:
             outcome = "passed"
-        test = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        test = f"{test_path(case.get('classname', ''), case.get('file'))}::{case.get('name')}"
         rows.append({"test": test, "outcome": outcome, "time_s": case.get("time", "")})
     return rows
+
+
+def test_path(classname: str, file: str | None) -> str:
+    """A test's file and class as pytest names them: `tests/kernels/test_sgmv.py::TestOnGpu`
+    from the report's dotted `classname` and its `file` (xunit1 reports carry it)."""
+    if file is None:
+        return classname.replace(".", "/") + ".py"
+    module = file.removesuffix(".py").replace("/", ".")
+    inner = classname.removeprefix(module).lstrip(".")
+    return f"{file}::{inner.replace('.', '::')}" if inner else file
 
 
 def device_name() -> str:
@@ -47,8 +57,12 @@ def write(out: Path, rows: list[dict[str, str]], meta: dict[str, str]) -> Path:
     (out / "gpu_tests.json").write_text(json.dumps({**meta, **counts, "tests": rows}, indent=1))
     lines = ["# GPU tests", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
-    lines += [f"- {', '.join(f'{v} {k}' for k, v in counts.items())}", "",
-              "| test | outcome | s |", "| --- | --- | --- |"]
+    lines += [
+        f"- {', '.join(f'{v} {k}' for k, v in counts.items())}",
+        "",
+        "| test | outcome | s |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| `{r['test']}` | {r['outcome']} | {r['time_s']} |" for r in rows]
     path = out / "gpu_tests.md"
     path.write_text("\n".join(lines) + "\n")
@@ -62,8 +76,20 @@ def main() -> int:
     args, pytest_args = ap.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider",
-                   "-q", f"--junitxml={junit}", *(pytest_args or ["tests/gpu"])]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-o",
+            "addopts=",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-o",
+            "junit_family=xunit1",  # each case names its file
+            f"--junitxml={junit}",
+            *(pytest_args or ["tests/gpu"]),
+        ]
         rc = subprocess.call(command)
         if not junit.exists():
             return rc or 1

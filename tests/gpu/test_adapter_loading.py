@@ -17,7 +17,14 @@ from replicas.lora import LoraWeightPool
 from replicas.models.spec import ModelSpec
 from replicas.request import Request, SamplingParams
 from tests.factories import make_adapter, make_model
-from tests.gpu.reference import assert_greedy_agrees, hf_model
+from tests.gpu.reference import (
+    assert_bf16_greedy_agrees,
+    bf16_agreement,
+    engine_logits,
+    full_float32,
+    hf_model,
+    teacher_forced_logits,
+)
 
 pytestmark = pytest.mark.gpu
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -25,8 +32,9 @@ PROMPT = [5, 17, 200, 33, 98, 4, 61, 150, 7]
 
 
 def test_packed_write_equals_module_write_on_the_load_stream(tmp_path):
-    model_dir = make_model(tmp_path / "m", hidden_size=128, intermediate_size=256, num_heads=4,
-                           num_kv_heads=2)
+    model_dir = make_model(
+        tmp_path / "m", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2
+    )
     spec = ModelSpec.from_dir(model_dir)
     adapter = make_adapter(model_dir, tmp_path / "a", rank=8, target_modules=ALL, seed=3)
     weights = load_adapter("a", adapter, spec, 8, torch.bfloat16)
@@ -50,27 +58,46 @@ def test_packed_write_equals_module_write_on_the_load_stream(tmp_path):
 
 def churning_engine(tmp_path, count: int, seed: int, slots: int = 2) -> tuple[Engine, dict]:
     """A small model on the GPU with `count` rank-8 adapters over `slots` slots."""
-    model_dir = make_model(tmp_path / "m", hidden_size=256, intermediate_size=512, num_heads=8,
-                           num_kv_heads=2)
+    model_dir = make_model(
+        tmp_path / "m", hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2
+    )
     adapters = {
-        f"a{i}": make_adapter(model_dir, tmp_path / f"a{i}", rank=8, lora_alpha=16,
-                              target_modules=ALL, seed=seed + i)
+        f"a{i}": make_adapter(
+            model_dir, tmp_path / f"a{i}", rank=8, lora_alpha=16, target_modules=ALL, seed=seed + i
+        )
         for i in range(count)
     }
-    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", num_kv_blocks=128,
-                                 max_loras_per_batch=slots, max_lora_rank=8,
-                                 adapters=tuple((k, str(v)) for k, v in adapters.items())))
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cuda",
+            num_kv_blocks=128,
+            max_loras_per_batch=slots,
+            max_lora_rank=8,
+            adapters=tuple((k, str(v)) for k, v in adapters.items()),
+        )
+    )
     return engine, adapters
 
 
-def assert_matches_peft(engine, adapters: dict, tokens: dict[str, list[int]],
-                        names: dict[str, str]) -> None:
+def assert_matches_peft(
+    engine, adapters: dict, tokens: dict[str, list[int]], names: dict[str, str]
+) -> None:
     """Each request's tokens (request id -> adapter name in `names`) against transformers +
-    PEFT in bf16, teacher-forced (tests/gpu/reference.py)."""
-    for name, path in adapters.items():
-        model = hf_model(engine.config.model, path)
-        for rid in [r for r, n in names.items() if n == name]:
-            assert_greedy_agrees(model, PROMPT, tokens[rid], (rid, name))
+    PEFT in float32, at every step the engine's bf16 rounding cannot flip (reference.py)."""
+    agreements = {}
+    with full_float32():
+        for name, path in adapters.items():
+            model = hf_model(engine.config.model, path, torch.float32)
+            for rid in [r for r, n in names.items() if n == name]:
+                seq = PROMPT + tokens[rid]
+                agreements[rid, name] = bf16_agreement(
+                    teacher_forced_logits(model, seq),
+                    engine_logits(engine, name, seq),
+                    len(PROMPT),
+                    tokens[rid],
+                )
+    assert_bf16_greedy_agrees(agreements)
 
 
 def test_requests_admitted_during_copies_match_peft(tmp_path, monkeypatch):

@@ -16,21 +16,35 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 def test_graph_replayed_prefills_give_the_eager_tokens(tmp_path):
-    model_dir = make_model(tmp_path / "m", hidden_size=256, intermediate_size=512, num_heads=8,
-                           num_kv_heads=2)
+    model_dir = make_model(
+        tmp_path / "m", hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2
+    )
     adapters = tuple(
-        (f"a{i}", str(make_adapter(model_dir, tmp_path / f"a{i}", rank=4 * (i + 1),
-                                   target_modules=ALL, seed=i)))
+        (
+            f"a{i}",
+            str(
+                make_adapter(
+                    model_dir, tmp_path / f"a{i}", rank=4 * (i + 1), target_modules=ALL, seed=i
+                )
+            ),
+        )
         for i in range(4)
     )
 
     def engine(graph_tokens: int) -> Engine:
-        return Engine(EngineConfig(
-            model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256,
-            max_loras_per_batch=2, max_lora_rank=16, adapters=adapters,
-            max_num_batched_tokens=96,  # the longest prompt splits into chunks
-            max_prefill_graph_tokens=graph_tokens,
-        ))
+        return Engine(
+            EngineConfig(
+                model=str(model_dir),
+                device="cuda",
+                dtype="float32",
+                num_kv_blocks=256,
+                max_loras_per_batch=2,
+                max_lora_rank=16,
+                adapters=adapters,
+                max_num_batched_tokens=96,  # the longest prompt splits into chunks
+                max_prefill_graph_tokens=graph_tokens,
+            )
+        )
 
     gen = torch.Generator().manual_seed(0)
     lengths = [3, 17, 40, 100, 150, 9, 64, 33]
@@ -38,8 +52,10 @@ def test_graph_replayed_prefills_give_the_eager_tokens(tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
     def requests():
-        return [Request(f"r{i}", p, params, None if i % 4 == 3 else f"a{i % 4}")
-                for i, p in enumerate(prompts)]
+        return [
+            Request(f"r{i}", p, params, None if i % 4 == 3 else f"a{i % 4}")
+            for i, p in enumerate(prompts)
+        ]
 
     eager = engine(0)
     assert eager.runner.prefill_graphs is None

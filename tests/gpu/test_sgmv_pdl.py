@@ -26,18 +26,19 @@ def hopper() -> bool:
 def make_batch(num_tokens: int, max_rank: int, device) -> SgmvBatch:
     # decode: a token per segment, each its own slot
     slots = [i % 4 for i in range(num_tokens)]
-    return sgmv_batch([1] * num_tokens, slots, SLOT_RANKS[max_rank], (0.5, 2.0, 1.0, 1.5),
-                      device)
+    return sgmv_batch([1] * num_tokens, slots, SLOT_RANKS[max_rank], (0.5, 2.0, 1.0, 1.5), device)
 
 
 def make_chain_inputs(num_tokens: int, max_rank: int, device, seed: int):
     """LAYERS layers of bf16 q/k/v adapter weights over 4 slots, a decode batch and its input."""
     g = torch.Generator(device=device).manual_seed(seed)
     weights = [
-        (torch.randn(4, 3 * max_rank, HIDDEN, device=device, generator=g,
-                     dtype=torch.bfloat16) / 8,
-         torch.randn(4, max_rank, sum(OUTS), device=device, generator=g,
-                     dtype=torch.bfloat16) / 4)
+        (
+            torch.randn(4, 3 * max_rank, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)
+            / 8,
+            torch.randn(4, max_rank, sum(OUTS), device=device, generator=g, dtype=torch.bfloat16)
+            / 4,
+        )
         for _ in range(LAYERS)
     ]
     x = torch.randn(num_tokens, HIDDEN, device=device, generator=g, dtype=torch.bfloat16)

@@ -17,15 +17,25 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 def engine_with_adapters(tmp_path, count: int, **config) -> tuple[Engine, list[str]]:
     """A small model on the GPU serving `count` adapters of ranks 4, 8, ..."""
-    model_dir = make_model(tmp_path / "m", hidden_size=128, intermediate_size=256, num_heads=4,
-                           num_kv_heads=2)
+    model_dir = make_model(
+        tmp_path / "m", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2
+    )
     adapters = tuple(
-        (f"a{i}", str(make_adapter(model_dir, tmp_path / f"a{i}", rank=4 * (i + 1),
-                                   target_modules=ALL, seed=i)))
+        (
+            f"a{i}",
+            str(
+                make_adapter(
+                    model_dir, tmp_path / f"a{i}", rank=4 * (i + 1), target_modules=ALL, seed=i
+                )
+            ),
+        )
         for i in range(count)
     )
-    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", num_kv_blocks=256,
-                                 adapters=adapters, **config))
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir), device="cuda", num_kv_blocks=256, adapters=adapters, **config
+        )
+    )
     return engine, [name for name, _ in adapters]
 
 
@@ -43,8 +53,9 @@ def step_until_all_sampled(engine: Engine, requests: list[Request], timeout_s: f
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
     engine, adapters = engine_with_adapters(tmp_path, 3)
-    params = SamplingParams(max_tokens=64, temperature=temperature, top_p=0.9, top_k=50,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=64, temperature=temperature, top_p=0.9, top_k=50, ignore_eos=True
+    )
     requests = []
     for i in range(6):
         adapter = None if i % 4 == 3 else adapters[i % 3]
@@ -75,8 +86,9 @@ def test_decode_steps_run_under_sync_debug_error(tmp_path, temperature):
 @pytest.mark.parametrize("graph_tokens", [0, 64], ids=["eager", "graphs"])
 def test_prefill_steps_run_under_sync_debug_error(tmp_path, graph_tokens):
     # A small token budget splits the long prompt into chunks: chunked prefill is checked too.
-    engine, adapters = engine_with_adapters(tmp_path, 2, max_num_batched_tokens=64,
-                                            max_prefill_graph_tokens=graph_tokens)
+    engine, adapters = engine_with_adapters(
+        tmp_path, 2, max_num_batched_tokens=64, max_prefill_graph_tokens=graph_tokens
+    )
     assert (engine.runner.prefill_graphs is None) == (graph_tokens == 0)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     warm = [Request(f"warm{i}", [5, 6, 7], params, name) for i, name in enumerate(adapters)]

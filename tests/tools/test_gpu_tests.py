@@ -31,3 +31,13 @@ def test_each_case_is_a_row_with_its_outcome_and_the_counts_are_written(tmp_path
     data = json.loads((tmp_path / "out" / "gpu_tests.json").read_text())
     assert (data["passed"], data["failed"], data["skipped"]) == (1, 1, 1)
     assert data["device"] == "NVIDIA H200" and len(data["tests"]) == 3
+
+
+def test_a_case_in_a_test_class_is_named_by_its_file_and_class(tmp_path):
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest" tests="1">'
+        '<testcase classname="tests.kernels.test_sgmv.TestOnGpu" name="test_x[b1]" '
+        'file="tests/kernels/test_sgmv.py" line="3" time="0.5"/></testsuite></testsuites>'
+    )
+    assert outcomes(report)[0]["test"] == "tests/kernels/test_sgmv.py::TestOnGpu::test_x[b1]"
