@@ -325,11 +325,7 @@ def ratios(
     for label in labels:
         http, local, roof = tok(label, "http"), tok(label, "in-process"), tok(label, "roofline")
         local_fleet = None if local is None else replicas * local
-        entry = {
-            "ratio": f"{label}: HTTP / in-process",
-            "value": div(http, local_fleet),
-        }
-        out.append(entry)
+        out.append({"ratio": f"{label}: HTTP / in-process", "value": div(http, local_fleet)})
         out.append({"ratio": f"{label}: in-process / roofline", "value": div(local_fleet, roof)})
         out.append({"ratio": f"{label}: HTTP / roofline", "value": div(http, roof)})
         if published is not None:
@@ -458,6 +454,11 @@ def in_process(
 ) -> dict[str, Measured]:
     from replicas.engine import Engine
 
+    # Ray starts a replica's worker with OMP_NUM_THREADS=1 (its one CPU): on CPU the engine
+    # here gets one torch thread too, or it would race the other processes for every core.
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
     engine = Engine(app.to_engine_config(model_dir, device))
     try:
         drive(engine, warm, [0.0] * len(warm))
@@ -471,6 +472,7 @@ def in_process(
                   flush=True)  # fmt: skip
         return out
     finally:
+        torch.set_num_threads(threads)
         engine.shutdown()
         del engine
         gc.collect()
