@@ -36,6 +36,7 @@ class Workload:
     measured: tuple[Arrival, ...]
     gap_s: float | None = 1.0
     name: str = ""
+    digest: str = ""  # loadgen's workload_digest of the measured requests, when built from it
 
     def __post_init__(self) -> None:
         if not self.measured:
@@ -61,7 +62,13 @@ def serving_benchmark(
     loadgen calls (`workloads()` there): a warm-up over every adapter in turn, all at once with
     short outputs, then the seeded workload at Poisson `rate`."""
     from benchmarks.loadgen.arrivals import arrival_offsets
-    from benchmarks.loadgen.workload import LengthRange, WorkloadConfig, build_workload, rng_for
+    from benchmarks.loadgen.workload import (
+        LengthRange,
+        WorkloadConfig,
+        build_workload,
+        rng_for,
+        workload_digest,
+    )
 
     names = tuple(f"lora-{i}" for i in range(num_adapters))  # bench_router_serve.adapter_names
 
@@ -94,6 +101,7 @@ def serving_benchmark(
         measured=tuple(arrival(t, s) for t, s in zip(offsets, measured, strict=True)),
         gap_s=1.0,  # measure(): `asyncio.sleep(1.0)` after the warm-up
         name=popularity,
+        digest=workload_digest(measured),
     )
 
 
