@@ -134,8 +134,9 @@ class EngineDeployment:
         }
 
     async def stats(self) -> dict:
-        """The engine's `EngineStats`, plus `num_aborted` (live requests aborted: the caller
-        closed the stream, or went away) and `num_abandoned` (those whose caller's lease lapsed)."""
+        """The engine's `EngineStats`, plus `num_held_slots` (GPU slots held by requests),
+        `num_aborted` (live requests aborted: the caller closed the stream, or went away) and
+        `num_abandoned` (those whose caller's lease lapsed)."""
         stats = await self.engine.call(_engine_stats)
         stats["num_aborted"] = self.engine.num_aborted
         stats["num_abandoned"] = self.num_abandoned
@@ -506,6 +507,7 @@ async def _every(period_s: float, work: Callable[[], Awaitable[None]], what: str
 def _engine_stats(engine: Engine) -> dict:
     stats = asdict(engine.stats())
     stats["adapter_read_seconds"] = list(stats["adapter_read_seconds"])
+    stats["num_held_slots"] = engine.adapters.slots.num_held  # slots a request holds
     return stats
 
 

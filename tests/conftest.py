@@ -23,8 +23,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "serve" in item.keywords:
             # A module that starts Ray Serve keeps its tests on one worker: its cluster is a
-            # module fixture, built once.
-            item.add_marker(pytest.mark.xdist_group(f"serve:{item.module.__name__}"))
+            # module fixture, built once; the end-to-end modules share one cluster (a session
+            # fixture), so they share one worker.
+            module = item.module.__name__
+            group = "serve:e2e" if module.startswith("tests.e2e.") else f"serve:{module}"
+            item.add_marker(pytest.mark.xdist_group(group))
         if "gpu" in item.keywords and not gpu:
             item.add_marker(skip)
     # The Serve modules first: xdist hands out groups in this order, and those modules spend

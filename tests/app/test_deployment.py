@@ -102,6 +102,7 @@ class TestMetrics:
             "num_finished",
             "num_aborted",
             "num_abandoned",
+            "num_held_slots",
         }
         assert isinstance(stats["adapter_read_seconds"], list)
         assert len(stats["adapter_read_seconds"]) == stats["adapter_disk_reads"] == 1
@@ -199,7 +200,7 @@ class TestCallerLeases:
         stats = await idle(deployment)
         assert stats["num_aborted"] == 2 and stats["num_abandoned"] == 1
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-        assert deployment.leases.num_tracked == 0
+        assert stats["num_held_slots"] == 0 and deployment.leases.num_tracked == 0
 
     async def test_requests_without_a_caller_are_never_abandoned(self, long_replica):
         deployment, clock = long_replica

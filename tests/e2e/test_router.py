@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 
 import httpx
 import pytest
@@ -26,12 +25,6 @@ BURST = 4  # requests for one adapter arriving together
 NUM_REQUESTS = NUM_WAVES * BURSTS_PER_WAVE * BURST
 MAX_TOKENS = 4
 TARGETS = [["q_proj", "v_proj"], ["o_proj", "down_proj"], ["k_proj", "gate_proj", "up_proj"]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _workload() -> list[list[tuple[str, list[int]]]]:
@@ -55,10 +48,7 @@ def _workload() -> list[list[tuple[str, list[int]]]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
+def cluster(serve_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("router-e2e")
     model = make_model(root / "model")
     adapters = {
@@ -71,12 +61,7 @@ def cluster(tmp_path_factory):
         )
         for i in range(NUM_ADAPTERS)
     }
-    port = _free_port()
-    ray.init(num_cpus=6, include_dashboard=False, ignore_reinit_error=True)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield {"url": f"http://127.0.0.1:{port}", "model": model, "adapters": adapters}
-    serve.shutdown()
-    ray.shutdown()
+    return {"url": serve_cluster["url"], "model": model, "adapters": adapters}
 
 
 def _deploy(cluster, router: str) -> None:

@@ -1,8 +1,12 @@
-"""The whole app on a local Ray Serve instance (CPU, two engine replicas), through HTTP."""
+"""The whole app on a local Ray Serve instance (CPU, two engine replicas), through HTTP, and
+what happens when clients hang up and replicas die."""
 
 import asyncio
 import json
-import socket
+import os
+import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -12,23 +16,19 @@ from tests.factories import hf_greedy, make_adapter, make_model
 pytestmark = pytest.mark.serve
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 17, 200, 33, 98, 4], [61, 150, 7, 12, 250, 3, 44, 9]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+APP = "lorafleet-e2e"
+# Long enough that a request left alone runs for minutes on CPU (thousands of decode steps).
+MAX_MODEL_LEN = 4096
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    ray = pytest.importorskip("ray")
+def server(serve_cluster, tmp_path_factory):
     from ray import serve
 
     from app.main import build_app
 
     root = tmp_path_factory.mktemp("e2e")
-    model = make_model(root / "model")
+    model = make_model(root / "model", max_position_embeddings=MAX_MODEL_LEN)
     adapters = {
         "alpha": make_adapter(model, root / "alpha", rank=4, lora_alpha=8,
                               target_modules=["q_proj", "v_proj"], seed=1),
@@ -44,24 +44,21 @@ def server(tmp_path_factory):
     bad = root / "adapter_root" / "broken"
     bad.mkdir()
     (bad / "adapter_config.json").write_text("{oops")
-    port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({
         "model": str(model),
         "served_model_name": "tiny",
         "adapters": {"alpha": str(adapters["alpha"]), "beta": str(adapters["beta"])},
         "adapter_root": str(root / "adapter_root"),
+        "runtime_adapter_dirs": [str(root)],
         "device": "cpu",
         "num_replicas": 2,
         "max_loras_per_batch": 4,
         "max_lora_rank": 8,
-        "max_model_len": 128,
+        "max_model_len": MAX_MODEL_LEN,
     })
-    serve.run(app, name="lorafleet-e2e", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "model": model, "adapters": adapters}
-    serve.shutdown()
-    ray.shutdown()
+    serve.run(app, name=APP, route_prefix="/")
+    yield {"url": serve_cluster["url"], "model": model, "adapters": adapters}
+    serve.delete(APP)
 
 
 def _tokenizer(model_dir):
@@ -124,7 +121,7 @@ def test_streamed_chat_to_an_adapter(server):
     [
         ({"model": "nope", "prompt": "hi"}, 404, "nope"),
         ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
-        ({"model": "tiny", "prompt": [1] * 200}, 400, "128"),
+        ({"model": "tiny", "prompt": [1] * (MAX_MODEL_LEN + 1)}, 400, str(MAX_MODEL_LEN)),
         ({"model": "broken", "prompt": "hi"}, 400, "JSON"),
     ],
 )
@@ -145,31 +142,100 @@ def test_malformed_json_is_400(server):
     assert "error" in r.json()
 
 
-def test_client_disconnect_aborts_the_request(server):
-    from ray import serve
+def _fleet_stats() -> list[dict]:
+    return _engine_handle().broadcast("stats").results(timeout_s=30)
 
-    body = {"model": "alpha", "prompt": "x", "max_tokens": 100, "stream": True,
+
+def _idle(stats: dict) -> bool:
+    return (
+        stats["num_running"] == stats["num_waiting"] == stats["num_held_slots"] == 0
+        and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    )
+
+
+def _wait(condition, timeout_s: float, period_s: float = 0.05) -> tuple[list[dict], float]:
+    """Poll every engine replica's stats until `condition(stats)`; returns the last stats and
+    the seconds it took (past `timeout_s`, whatever they were then)."""
+    start = time.monotonic()
+    while True:
+        every = _fleet_stats()
+        waited = time.monotonic() - start
+        if condition(every) or waited > timeout_s:
+            return every, waited
+        time.sleep(period_s)
+
+
+def _total(every: list[dict], key: str) -> int:
+    return sum(stats[key] for stats in every)
+
+
+def test_client_disconnect_aborts_the_request(server):
+    aborted = _total(_fleet_stats(), "num_aborted")
+    # Left alone, this request would run for minutes.
+    body = {"model": "alpha", "prompt": "x", "max_tokens": MAX_MODEL_LEN - 16, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # one chunk, then hang up
-    handle = serve.get_deployment_handle("EngineDeployment", app_name="lorafleet-e2e")
+        running = _total(_fleet_stats(), "num_running")
+    every, waited = _wait(lambda every: all(_idle(s) for s in every), timeout_s=5.0)
+    assert running == 1
+    assert len(every) == 2 and all(_idle(s) for s in every), every
+    assert waited < 2.0, f"the engine stopped {waited:.1f} s after the client hung up"
+    assert _total(every, "num_aborted") == aborted + 1
 
-    def idle(stats):
-        return stats["num_running"] == 0 and stats["num_waiting"] == 0
 
-    async def wait_idle():
-        for _ in range(100):
-            every = await handle.broadcast("stats").results_async(timeout_s=30)
-            if all(idle(stats) for stats in every):
-                return every
-            await asyncio.sleep(0.1)
-        return every
+def _stream_until_cut(url: str, body: dict, chunks: list[int]) -> None:
+    """Read a stream until it ends whichever way (the ingress serving it dies)."""
+    chunks.append(0)
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks[-1] += 1
+    except httpx.HTTPError:
+        pass
 
-    every = asyncio.run(wait_idle())
-    assert len(every) == 2 and all(idle(stats) for stats in every)
-    assert all(stats["num_free_kv_blocks"] == stats["num_kv_blocks"] for stats in every)
+
+def _wait_http(url: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the app did not answer again within {timeout_s:g} s")
+
+
+def test_the_requests_of_a_dead_ingress_are_aborted_in_the_engine(server):
+    from benchmarks.bench_chaos import replica_pids
+
+    abandoned = _total(_fleet_stats(), "num_abandoned")
+    body = {"model": "beta", "prompt": [5, 17], "max_tokens": MAX_MODEL_LEN - 16, "stream": True,
+            "ignore_eos": True}
+    chunks: list[int] = []
+    clients = [threading.Thread(target=_stream_until_cut, args=(server["url"], body, chunks))
+               for _ in range(2)]
+    for client in clients:
+        client.start()
+    every, _ = _wait(lambda every: _total(every, "num_running") == 2, timeout_s=60.0)
+    assert _total(every, "num_running") == 2
+    (ingress,) = replica_pids(APP, "Ingress")
+    os.kill(ingress, signal.SIGKILL)
+    every, waited = _wait(lambda every: all(_idle(s) for s in every), timeout_s=10.0)
+    for client in clients:
+        client.join(timeout=60)
+    assert all(_idle(s) for s in every), every
+    # The lease lapses 2 s after the last renewal, and the engine looks every 0.25 s.
+    assert waited < 3.5, f"the engine stopped {waited:.1f} s after the ingress died"
+    assert _total(every, "num_abandoned") == abandoned + 2
+    assert not any(client.is_alive() for client in clients)
+    _wait_http(server["url"])  # Serve brings a new ingress replica up
 
 
 def _post(server, route, payload):
