@@ -697,8 +697,14 @@ def save(args: argparse.Namespace, wl: Workload, rows: list[dict], meta: dict) -
     append_table(path, "Ratios", ["ratio", "value"], meta["ratios"])
     if "goodput" in meta:
         g = meta["goodput"]
+        low, high = g["bracket"]
+        found = (
+            "below every rate tried" if g["rate"] is None
+            else f"at least {low:.3g} req/s" if high is None
+            else f"{low:.3g} req/s (fails at {high:.3g})"
+        )  # fmt: skip
         title = (
-            f"Goodput sweep: {g['rate']} req/s (TTFT P99 <= {g['objectives']['ttft_p99_ms']:g} "
+            f"Goodput sweep: {found} (TTFT P99 <= {g['objectives']['ttft_p99_ms']:g} "
             f"ms, ITL P99 <= {g['objectives']['itl_p99_ms']:g} ms; capacity "
             f"{g['capacity_req_s']:.3g} req/s)"
         )

@@ -264,3 +264,22 @@ class TestReport:
         assert app.max_num_seqs == 3 and app.router == "pow2"
         assert app.max_loras_per_batch == args.spec.slots and app.load_format == "dummy"
         assert LengthRange(8, 32) == args.spec.input_len
+
+    def test_the_sweep_section_says_where_goodput_lies(self, tmp_path):
+        args = parse_args(["--smoke", "--workload", "poisson", "--out", str(tmp_path)])
+        rows = self.rows()
+        for bracket, rate, said in (
+            ([2.0, 4.0], 2.0, "2 req/s (fails at 4)"),
+            ([8.0, None], 8.0, "at least 8 req/s"),
+            ([0.0, 1.0], None, "below every rate tried"),
+        ):
+            goodput = {
+                "rate": rate,
+                "bracket": bracket,
+                "capacity_req_s": 8.0,
+                "objectives": {"ttft_p99_ms": 1000.0, "itl_p99_ms": 100.0},
+                "points": [{"rate": 8.0, "passed": rate == 8.0}],
+            }
+            path = save(args, args.spec, rows, {"ratios": [], "goodput": goodput})
+            assert f"## Goodput sweep: {said} (TTFT P99 <= 1000 ms" in path.read_text()
+            assert json.loads(path.with_suffix(".json").read_text())["goodput"] == goodput
