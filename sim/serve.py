@@ -476,7 +476,7 @@ class Pow2Choice:
     def apply_multiplex_routing(self, router: Router, request: SimRequest) -> set[str]:
         """`MultiplexMixin.apply_multiplex_routing`."""
         now = router.loop.now()
-        if not request.multiplexed_start_matching_time:
+        if request.multiplexed_start_matching_time is None:  # Ray's `not ...`: time.time() > 0
             request.multiplexed_start_matching_time = now
         model_id = request.adapter
         if now - request.multiplexed_start_matching_time < self._matching_timeout():
