@@ -1,7 +1,9 @@
 """Which adapters the app serves, and which adapter (if any) a request's `model` names.
 
-Folder validation is the engine's own (`replicas.adapters.loader.read_adapter_config`), so the
-ingress refuses exactly the adapters an engine replica would refuse, before a request is queued.
+Folder validation is the engine's own (`replicas.adapters.loader.check_adapter_files`: the config,
+and the weights file's header and tensor layout against it), so the ingress refuses the adapters an
+engine replica would refuse before a load is broadcast or a request queued; only what needs the
+model's sizes (layer count, in/out features) is left to the engine replicas' own check at load.
 
 The engine replicas are the authority on which adapters are served: adapters loaded or unloaded
 at run time reach every engine replica (`app/management.py`), while each ingress replica keeps a
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from replicas.adapters.loader import AdapterError, read_adapter_config
+from replicas.adapters.loader import AdapterError, check_adapter_files
 
 __all__ = [
     "AdapterError",
@@ -50,14 +52,16 @@ class AdapterInfo:
 
 
 def validate_adapter_dir(path: str | Path, max_lora_rank: int) -> AdapterInfo:
-    """Check a PEFT LoRA folder without reading its weights.
+    """Check a PEFT LoRA folder without reading its tensors (the weights file's header only).
 
     Raises `AdapterError` (status 404 when the folder does not exist, 400 otherwise): no or
     unparsable adapter_config.json, peft_type other than LORA, a rank above `max_lora_rank`, a
-    target outside q/k/v/o/gate/up/down_proj, or no adapter_model.safetensors (pickle `.bin`
-    weights are refused).
+    target outside q/k/v/o/gate/up/down_proj, no adapter_model.safetensors (pickle `.bin`
+    weights are refused), a weights file that is not well-formed safetensors (truncated, a
+    header too large), or tensors that disagree with the config (names, dtypes, ranks, a
+    target without its weights).
     """
-    config = read_adapter_config(path, max_lora_rank)
+    config = check_adapter_files(Path(path).name, path, max_lora_rank)
     return AdapterInfo(
         path=config.path,
         rank=max([config.rank, *config.rank_pattern.values()]),

@@ -69,6 +69,7 @@ class AdapterConfig:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     target_regex: str | None = None  # target_modules given as one regex over module names
+    target_names: tuple[str, ...] | None = None  # ... or as a list: names or their dotted tails
     layers_to_transform: tuple[int, ...] | None = None  # None: every layer
     exclude_modules: str | tuple[str, ...] | None = None  # a regex, or names matched as suffixes
 
@@ -100,7 +101,8 @@ class AdapterConfig:
             return False
         if self.target_regex is not None:
             return re.fullmatch(self.target_regex, module) is not None
-        if target not in self.target_modules:
+        names = self.target_names if self.target_names is not None else self.target_modules
+        if not any(module == n or module.endswith(f".{n}") for n in names):
             return False
         return self.layers_to_transform is None or layer in self.layers_to_transform
 
@@ -188,6 +190,13 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
                 for layer in range(_REGEX_PROBE_LAYERS)
             )
         ]
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"{config_path}: target_modules must be a list of names or a regex")
+    # A list entry names a module by its name's end, as PEFT matches it: "q_proj", or a dotted
+    # tail up to the full name ("model.layers.0.self_attn.q_proj", as PEFT writes
+    # "all-linear" with exclude_modules).
+    target_names = None if target_regex is not None else tuple(targets)
+    targets = list(dict.fromkeys(t.rsplit(".", 1)[-1] for t in targets))
     if not targets:
         raise AdapterError(f"{config_path}: target_modules names none of {list(LORA_TARGETS)}")
     unknown = sorted(set(targets) - set(LORA_TARGETS))
@@ -211,6 +220,7 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
         rank_pattern=dict(rank_pattern),
         alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
         target_regex=target_regex,
+        target_names=target_names,
         layers_to_transform=_layer_list(cfg.get("layers_to_transform"), config_path),
         exclude_modules=_excluded(cfg.get("exclude_modules"), config_path),
     )

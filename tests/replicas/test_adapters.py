@@ -1,18 +1,27 @@
 """Adapter files: validation with clear errors, slot pool and host cache rules."""
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from replicas.adapters.host_cache import HostCache
-from replicas.adapters.loader import AdapterError, load_adapter, read_adapter_config
+from replicas.adapters.loader import (
+    AdapterError,
+    check_adapter_files,
+    load_adapter,
+    read_adapter_config,
+)
 from replicas.adapters.slot_pool import NoFreeSlot, SlotPool
+from replicas.engine import RequestRejected
 from replicas.models.spec import ModelSpec
 from replicas.request import Request
 from tests.factories import hf_greedy, make_adapter
 from tests.replicas.conftest import greedy, make_engine, run_to_completion
+from tests.replicas.damaged_adapters import AT_ENGINE, AT_INGRESS, damage
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +334,76 @@ def test_engine_config_refuses_bad_adapter_settings(field, value, message):
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", **{field: value})
+
+
+def _peft_adapter(model_dir, out, **config):
+    """An adapter written by PEFT itself with these LoraConfig arguments (r 8 unless given)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.factories import _load_model, _quiet_peft
+
+    config = {"r": 8, "lora_alpha": 16, "init_lora_weights": False, **config}
+    with torch.random.fork_rng(devices=[]), _quiet_peft():
+        torch.manual_seed(0)
+        model = get_peft_model(_load_model(model_dir), LoraConfig(task_type="CAUSAL_LM", **config))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+class TestLoadTimeChecks:
+    """A load reads the weights file's header, never its tensors, and refuses (400, naming the
+    tensor and what was expected) any file that disagrees with its config or the model."""
+
+    @pytest.mark.parametrize("kind", sorted({**AT_INGRESS, **AT_ENGINE}))
+    def test_a_bad_adapter_is_refused_at_load(
+        self, models, good_adapter, tmp_path, kind, monkeypatch
+    ):
+        from replicas.adapters import loader
+
+        bad = damage(good_adapter, tmp_path / kind, kind)
+        engine = make_engine(models["llama"])
+        with monkeypatch.context() as patch:
+            patch.setattr(loader, "_read_bytes", None)  # reading tensor data would fail here
+            with pytest.raises(RequestRejected) as e:
+                engine.load_adapter("new", str(bad))
+        assert e.value.status == 400
+        assert {**AT_INGRESS, **AT_ENGINE}[kind] in str(e.value), str(e.value)
+        with pytest.raises(RequestRejected) as e:
+            engine.add_request(Request("r", [5, 6], greedy(1), "new"))
+        assert e.value.status == 404
+        engine.load_adapter("new", str(good_adapter))  # the name was never taken
+
+    @pytest.mark.parametrize("kind", sorted(AT_INGRESS))
+    def test_without_the_model_the_file_and_config_are_still_checked(
+        self, good_adapter, tmp_path, kind
+    ):
+        bad = damage(good_adapter, tmp_path / kind, kind)
+        with pytest.raises(AdapterError, match=re.escape(AT_INGRESS[kind])) as e:
+            check_adapter_files("new", bad, 16)
+        assert e.value.status == 400
+
+    @pytest.mark.parametrize("kind", sorted(AT_ENGINE))
+    def test_what_needs_the_model_is_left_to_the_engine(self, good_adapter, tmp_path, kind):
+        check_adapter_files("new", damage(good_adapter, tmp_path / kind, kind), 16)
+
+    @pytest.mark.parametrize(
+        "config",
+        [
+            {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]},
+            {"target_modules": r".*\.layers\.0\..*(k_proj|down_proj)"},
+            {"target_modules": "all-linear", "exclude_modules": ["o_proj", "up_proj"]},
+            {"target_modules": ["q_proj", "v_proj"], "rank_pattern": {"v_proj": 4}},
+        ],
+        ids=["layers_to_transform", "regex", "exclude_modules", "rank_pattern"],
+    )
+    def test_what_peft_writes_passes_and_loads_its_modules(self, models, tmp_path, config):
+        path = _peft_adapter(models["llama"], tmp_path / "peft", **config)
+        spec = ModelSpec.from_dir(models["llama"])
+        check_adapter_files("p", path, 16, spec)
+        keys = load_file(path / "adapter_model.safetensors").keys()
+        want = {
+            (int(k.split(".layers.")[1].split(".")[0]), k.split(".")[-3])
+            for k in keys
+            if ".lora_A." in k
+        }
+        assert set(load_adapter("p", path, spec, 16).modules) == want
