@@ -7,6 +7,7 @@ import pytest
 
 from tests.app.conftest import BASE, FakeEngine, FakeReplica, make_client, text_chunks
 from tests.app.test_routes import assert_openai_error
+from tests.replicas.damaged_adapters import AT_INGRESS, damage
 
 
 def fleet(*ids: str) -> FakeEngine:
@@ -124,6 +125,20 @@ class TestLoadAdapter:
         assert words in error["message"] and error["param"] == "lora_path"
         assert_consistent(engine, "new", loaded=False)
 
+    @pytest.mark.parametrize("kind", sorted(AT_INGRESS))
+    async def test_a_broken_weights_file_is_400_before_any_replica_sees_it(
+        self, tokenizer, known_adapter, tmp_path, kind
+    ):
+        bad = damage(known_adapter, tmp_path / kind, kind)
+        engine = fleet("r0", "r1")
+        async with make_client(engine, tokenizer) as client:
+            r = await load(client, "new", bad)
+            models = await model_ids(client)
+        error = assert_openai_error(r, 400)
+        assert AT_INGRESS[kind] in error["message"] and error["param"] == "lora_path"
+        assert_consistent(engine, "new", loaded=False)
+        assert "new" not in models
+
     @pytest.mark.parametrize("name", ["sql-lora", "good", BASE])
     async def test_a_name_in_use_is_400(self, tokenizer, known_adapter, adapter_root, name):
         engine = fleet("r0")
@@ -191,13 +206,12 @@ class TestSeveralIngressReplicas:
         assert engine.requests[-1].adapter == "sql" and len(engine.requests) == 2
         assert "sql" not in models_b
 
-    async def test_a_name_unloaded_elsewhere_leaves_the_models_list(
-        self, tokenizer, known_adapter
-    ):
+    async def test_a_name_unloaded_elsewhere_leaves_the_models_list(self, tokenizer, known_adapter):
         engine = fleet("r0")
-        async with make_client(
-            engine, tokenizer, adapters={"sql-lora": str(known_adapter)}
-        ) as a, make_client(engine, tokenizer, adapters={"sql-lora": str(known_adapter)}) as b:
+        async with (
+            make_client(engine, tokenizer, adapters={"sql-lora": str(known_adapter)}) as a,
+            make_client(engine, tokenizer, adapters={"sql-lora": str(known_adapter)}) as b,
+        ):
             engine.replicas[0].paths["sql-lora"] = str(known_adapter)
             assert (await unload(a, "sql-lora")).status_code == 200
             models_b = await model_ids(b)
@@ -273,11 +287,19 @@ class TestAdapterListing:
         for replica in engine.replicas:
             replica.paths["sql-lora"] = str(known_adapter)
         r0.status["sql-lora"] = {
-            "tier": "gpu", "slot": 2, "rank": 8, "size_bytes": 4096, "pinned": False,
+            "tier": "gpu",
+            "slot": 2,
+            "rank": 8,
+            "size_bytes": 4096,
+            "pinned": False,
             "unloading": False,
         }
         r1.status["sql-lora"] = {
-            "tier": "host", "slot": None, "rank": 8, "size_bytes": 4096, "pinned": False,
+            "tier": "host",
+            "slot": None,
+            "rank": 8,
+            "size_bytes": 4096,
+            "pinned": False,
             "unloading": False,
         }
         async with make_client(
@@ -322,7 +344,11 @@ class TestAdapterListing:
         engine.replicas[2].slow = True
         engine.replicas[0].paths["sql-lora"] = str(known_adapter)
         engine.replicas[0].status["sql-lora"] = {
-            "tier": "loading", "slot": 0, "rank": None, "size_bytes": None, "pinned": True,
+            "tier": "loading",
+            "slot": 0,
+            "rank": None,
+            "size_bytes": None,
+            "pinned": True,
             "unloading": False,
         }
         async with make_client(
@@ -340,9 +366,7 @@ class TestAdapterListing:
         assert card["pinned"] is True
         assert [p["tier"] for p in card["replicas"]] == ["loading", "unavailable", "unavailable"]
 
-    async def test_an_adapter_missing_on_a_replica_is_absent_there(
-        self, tokenizer, known_adapter
-    ):
+    async def test_an_adapter_missing_on_a_replica_is_absent_there(self, tokenizer, known_adapter):
         engine = fleet("r0", "r1")
         async with make_client(engine, tokenizer) as client:
             await load(client, "sql", known_adapter)
