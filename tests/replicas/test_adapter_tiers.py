@@ -172,10 +172,53 @@ def test_unload_during_use(models, fleet):
     while engine.has_work:
         tokens += [t for o in engine.step() for t in o.new_token_ids]
     assert tokens == hf_greedy(models["llama"], PROMPTS[1], 12, adapter_dir=fleet["ad2"])
-    engine.step()  # the next step drops what the finished request left behind
+    # Dropped with its last request, with no step after it: an idle engine keeps nothing.
     assert "ad2" not in engine.adapter_status()
+    assert engine.stats().resident_adapters == {}
     with pytest.raises(RequestRejected):
         engine.unload_adapter("ad2")
+
+
+def first_tokens(engine) -> list[int]:
+    """Step until some request has a token; returns the tokens of that step."""
+    while not (outs := engine.step()):
+        assert engine.has_work
+        time.sleep(0.001)
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_reload_while_the_old_version_runs(models, fleet):
+    """Unload a name while a request uses it and load it again at once with other weights: the
+    load succeeds, the running request finishes on the old weights, new ones get the new
+    weights, and the old version's slot is freed when its request ends."""
+    engine = fleet_engine(models, fleet, max_loras_per_batch=3)
+    engine.load_adapter("x", str(fleet["ad1"]))
+    engine.add_request(Request("old", PROMPTS[1], greedy(6), "x"))
+    tokens = {"old": first_tokens(engine), "new": []}
+    engine.unload_adapter("x")
+    engine.load_adapter("x", str(fleet["ad3"]))  # the name is free at once
+    engine.add_request(Request("new", PROMPTS[1], greedy(6), "x"))
+    assert len(engine.stats().resident_adapters) == 1  # the new version's copy is not in yet
+    assert engine.adapter_status()["x"]["unloading"] is False  # the live version is listed
+    while engine.has_work:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens["old"] == hf_greedy(models["llama"], PROMPTS[1], 6, adapter_dir=fleet["ad1"])
+    assert tokens["new"] == hf_greedy(models["llama"], PROMPTS[1], 6, adapter_dir=fleet["ad3"])
+    assert list(engine.stats().resident_adapters) == ["x#2"]  # the old version's slot is free
+    engine.unload_adapter("x")
+    assert engine.stats().resident_adapters == {} and "x" not in engine.adapter_status()
+
+
+def test_aborting_the_last_request_of_an_unloaded_version_frees_it(models, fleet):
+    engine = fleet_engine(models, fleet)
+    engine.add_request(Request("r", PROMPTS[0], greedy(8), "ad2"))
+    first_tokens(engine)
+    engine.unload_adapter("ad2")
+    assert list(engine.stats().resident_adapters) == ["ad2"]  # still read by "r"
+    engine.abort("r")
+    assert engine.stats().resident_adapters == {} and not engine.has_work
+    engine.load_adapter("ad2", str(fleet["ad2"]))
 
 
 def test_load_adapter_at_run_time(models, fleet, tmp_path):
