@@ -198,6 +198,20 @@ class TestInProcessDriver:
         assert 0 < local.busy_s <= local.duration_s and local.steps > 0
 
 
+class TestStreams:
+    def test_adapter_counts_share_prompts_lengths_and_arrivals(self):
+        wl = parse_args(["--smoke", "--workload", "saturated"]).spec
+        names = [f"lora-{i}" for i in range(4)]
+        many, one = streams(wl, names, seed=5, timeout_s=30.0)
+        assert (many.label, one.label) == ("4 adapters", "1 adapter")
+        shape = lambda s: [(r.prompt, r.input_len, r.output_len) for r in s.specs]
+        assert shape(many) == shape(one) and len(many.specs) == wl.num_requests
+        assert {r.model for r in one.specs} == {"lora-0"}
+        assert {r.model for r in many.specs} == set(names)
+        assert list(many.at(4.0).offsets()) == list(one.at(4.0).offsets())
+        assert all(wl.input_len.low <= r.input_len <= wl.input_len.high for r in many.specs)
+
+
 class TestReport:
     def rows(self) -> list[dict]:
         def measured(tok_s: float, ttft: float) -> Measured:
