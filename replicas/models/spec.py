@@ -88,9 +88,7 @@ class ModelSpec:
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-            window = None
+        window = _sliding_window(cfg, model_type)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -109,6 +107,39 @@ class ModelSpec:
             sliding_window=window,
             eos_token_ids=eos_token_ids,
         )
+
+
+# Qwen2Config's and Qwen3Config's default: with `use_sliding_window`, layers from this one on slide.
+QWEN_MAX_WINDOW_LAYERS = 28
+
+
+def _sliding_window(cfg: dict, model_type: str) -> int | None:
+    """The attention window of every layer (None: full attention), where transformers applies
+    one: Mistral on every layer; Qwen2/Qwen3 only with `use_sliding_window`, on the layers that
+    `layer_types` marks "sliding_attention" (older configs: from `max_window_layers` on).
+    Raises ValueError for a model whose layers mix windowed and full attention."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window", False):
+            return None
+        if layer_types is None:
+            first = cfg.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+            layer_types = [
+                "sliding_attention" if i >= first else "full_attention"
+                for i in range(cfg["num_hidden_layers"])
+            ]
+    if window is None or layer_types is None:
+        return window
+    kinds = set(layer_types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    raise ValueError(
+        f"layer_types {sorted(kinds)}: layers mixing sliding-window and full attention are not "
+        "supported (every layer must use the same)"
+    )
 
 
 def _rope(cfg: dict) -> RopeSpec:

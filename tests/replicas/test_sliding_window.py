@@ -44,3 +44,40 @@ def test_chunked_prefill_logits_equal_transformers(windowed):
     chunks = [PROMPT[:5], PROMPT[5:13], PROMPT[13:14], PROMPT[14:]]
     ours = forward_logits(engine, chunks)
     torch.testing.assert_close(ours, hf_logits(windowed, PROMPT), rtol=1e-5, atol=1e-5)
+
+
+def qwen_window_config(num_layers: int, max_window_layers: int, with_layer_types: bool) -> dict:
+    """Qwen2's sliding-window switches as transformers writes them: layers from
+    `max_window_layers` on slide; newer configs also list `layer_types`, older ones do not."""
+    types = [
+        "sliding_attention" if i >= max_window_layers else "full_attention"
+        for i in range(num_layers)
+    ]
+    return dict(
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=max_window_layers,
+        layer_types=types if with_layer_types else None,
+    )
+
+
+@pytest.mark.parametrize("with_layer_types", [True, False], ids=["layer_types", "older-config"])
+@pytest.mark.parametrize("max_window_layers,window", [(0, WINDOW), (2, None)])
+def test_qwen2_slides_exactly_where_transformers_does(
+    models, tmp_path, max_window_layers, window, with_layer_types
+):
+    """Qwen2 with `use_sliding_window`: every layer from `max_window_layers` on slides (0: all of
+    the test model's two layers; 2: none)."""
+    config = qwen_window_config(2, max_window_layers, with_layer_types)
+    model_dir = copy_model(models["qwen2"], tmp_path / "m", **config)
+    assert ModelSpec.from_dir(model_dir).sliding_window == window
+    engine = make_engine(model_dir, max_num_batched_tokens=7)
+    results = run_to_completion(engine, [Request("a", PROMPT, greedy(10))])
+    assert results["a"][0] == hf_greedy(model_dir, PROMPT, 10)
+
+
+def test_layers_mixing_window_and_full_attention_are_refused(models, tmp_path):
+    config = qwen_window_config(2, 1, with_layer_types=True)
+    model_dir = copy_model(models["qwen2"], tmp_path / "m", **config)
+    with pytest.raises(ValueError, match="sliding"):
+        make_engine(model_dir)
