@@ -1,0 +1,272 @@
+"""Adapter lifecycle through the app's routes over real engines: two engine replicas
+(`EngineDeployment` built without Ray Serve, a tiny model on CPU) behind the fleet client, and
+adapters written by PEFT.
+
+Unloading a name while requests use it never wedges it: the name is free at once, the running
+requests finish on the old weights (PEFT's outputs), a reload serves the new ones, and once the
+app is quiet `/v1/adapters`, `/v1/models`, each replica's served names, its slot gauge and the
+next request all agree with a model of what was loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.adapters import FleetView
+from app.fleet import ReplicaReply
+from replicas.config import EngineConfig
+from replicas.deployment import EngineDeployment, EngineMetrics
+from replicas.protocol import GenerateChunk, GenerateRequest
+from tests.app.conftest import BASE, FakeMetricsBackend, make_client
+from tests.app.test_management import load, unload
+from tests.app.test_routes import assert_openai_error
+from tests.factories import hf_greedy, make_adapter, make_model
+from tests.replicas.damaged_adapters import AT_ENGINE, damage
+
+PROMPT = [5, 17, 200, 33]
+MAX_TOKENS = 6
+SLOTS = 2
+
+
+class LocalFleet:
+    """The app's `EngineClient` over in-process engine replicas: broadcasts reach every replica,
+    requests go round robin, and each request's token ids are kept by request id."""
+
+    def __init__(self, replicas: list[EngineDeployment]) -> None:
+        self.replicas = replicas
+        self.tokens: dict[str, list[int]] = {}
+        self._turn = itertools.count()
+
+    async def info(self) -> dict:
+        return await self.replicas[0].info()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        replica = self.replicas[next(self._turn) % len(self.replicas)]
+        tokens = self.tokens.setdefault(request.request_id, [])
+        stream = aiter(replica.generate(request))
+        try:
+            async for chunk in stream:
+                tokens += chunk.token_ids
+                yield chunk
+        finally:
+            await stream.aclose()  # closing this stream early aborts the request
+
+    async def served_adapters(self) -> FleetView:
+        answer = await self.replicas[0].served_adapters()
+        return FleetView(dict(answer["adapters"]), frozenset(answer["unloaded"]))
+
+    async def broadcast_load_adapter(self, name, path, pinned, load_id) -> list[ReplicaReply]:
+        return await self._broadcast(lambda r: r.load_adapter(name, path, pinned, load_id))
+
+    async def broadcast_unload_adapter(self, name, load_id=None) -> list[ReplicaReply]:
+        return await self._broadcast(lambda r: r.unload_adapter(name, load_id))
+
+    async def adapter_reports(self, timeout_s: float) -> list[ReplicaReply]:
+        replies = await self._broadcast(lambda r: r.adapter_report(timeout_s))
+        return [ReplicaReply(r.value["replica_id"], r.value) if r.ok else r for r in replies]
+
+    async def _broadcast(self, call) -> list[ReplicaReply]:
+        answers = await asyncio.gather(*(call(r) for r in self.replicas), return_exceptions=True)
+        return [
+            ReplicaReply(error=a) if isinstance(a, BaseException) else ReplicaReply(value=a)
+            for a in answers
+        ]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The model, two adapters of different weights, and PEFT's greedy tokens for each."""
+    root = tmp_path_factory.mktemp("lifecycle")
+    model = make_model(root / "model")
+    adapters = {
+        key: make_adapter(model, root / key, rank=8, target_modules=targets, seed=seed)
+        for key, targets, seed in (("A", ["q_proj", "v_proj"], 1), ("B", ["o_proj", "up_proj"], 2))
+    }
+    expected = {key: hf_greedy(model, PROMPT, MAX_TOKENS, path) for key, path in adapters.items()}
+    assert expected["A"] != expected["B"], "the adapters must be told apart by their outputs"
+    return model, adapters, expected
+
+
+@pytest.fixture
+async def app(files, tokenizer):
+    model, _, _ = files
+    backends = [FakeMetricsBackend() for _ in range(2)]
+    config = EngineConfig(
+        model=str(model), num_kv_blocks=64, block_size=4, max_lora_rank=8, max_loras_per_batch=SLOTS
+    )
+    replicas = [EngineDeployment.func_or_class(config, metrics=EngineMetrics(b)) for b in backends]
+    for i, replica in enumerate(replicas):
+        replica.replica_id = f"r{i}"
+    fleet = LocalFleet(replicas)
+    async with make_client(fleet, tokenizer) as client:
+        yield client, fleet, backends
+    for replica in replicas:
+        replica.__del__()  # what Serve's teardown runs: stops its tasks and the engine
+
+
+async def complete(client, model: str):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    return await client.post("/v1/completions", json={**body, "ignore_eos": True})
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.005)):
+        if await condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not met in time")
+
+
+async def assert_converged(client, fleet: LocalFleet, backends, loaded: dict[str, str]) -> None:
+    """Once nothing runs: every view of the fleet agrees that exactly `loaded` (name -> folder)
+    is served, and no slot or weights of an unloaded version are left behind."""
+
+    async def idle() -> bool:
+        stats = [await r.stats() for r in fleet.replicas]
+        return all(s["num_running"] == s["num_waiting"] == 0 for s in stats)
+
+    await until(idle)  # aborted requests included
+    listing = (await client.get("/v1/adapters")).json()
+    cards = {card["id"]: card for card in listing["data"]}
+    assert set(cards) == set(loaded), listing
+    for name, card in cards.items():
+        assert card["path"] == loaded[name]
+        assert {p["replica_id"] for p in card["replicas"]} == {"r0", "r1"}
+        assert all(p["tier"] in ("gpu", "loading", "host", "disk") for p in card["replicas"])
+    models = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+    assert models == {BASE, *loaded}
+    for replica, backend in zip(fleet.replicas, backends, strict=True):
+        served = await replica.served_adapters()
+        assert served["adapters"] == loaded
+        status = await replica.adapters()
+        assert not [n for n, s in status.items() if s["unloading"]], status
+        stats = await replica.stats()
+        resident = stats["resident_adapters"]
+        assert len(resident) <= SLOTS
+        assert {key.split("#")[0] for key in resident} <= set(loaded), resident
+        assert len({key.split("#")[0] for key in resident}) == len(resident)  # one version each
+        await replica.report_stats()
+        assert backend["lorafleet_adapter_slots_used"].records[-1][0] == len(resident)
+
+
+async def test_load_request_unload_reload_a_hundred_times(app, files):
+    """The wedge's recipe, load -> request -> unload -> reload, with the request still running
+    when the unload comes: every reload succeeds and every request gets its version's tokens."""
+    client, fleet, backends = app
+    _, adapters, expected = files
+    keys = ["A", "B"]
+    assert (await load(client, "x", adapters["A"])).status_code == 200
+    overlapped = 0
+    for i in range(100):
+        running = asyncio.create_task(complete(client, "x"))
+        replica = fleet.replicas[i % 2]  # round robin: this request's replica
+
+        async def queued(replica=replica) -> bool:
+            stats = await replica.stats()
+            return stats["num_running"] + stats["num_waiting"] > 0
+
+        await until(queued)
+        assert (r := await unload(client, "x")).status_code == 200, r.text
+        overlapped += (await replica.adapters()).get("x", {}).get("unloading", False)
+        r = await load(client, "x", adapters[keys[(i + 1) % 2]])
+        assert r.status_code == 200, (i, r.text)
+        done = await running
+        assert done.status_code == 200, done.text
+        assert fleet.tokens[done.json()["id"]] == expected[keys[i % 2]], i
+    assert overlapped >= 50  # most unloads came while the request was still running
+    last = await complete(client, "x")
+    assert fleet.tokens[last.json()["id"]] == expected["A"]
+    await assert_converged(client, fleet, backends, {"x": str(adapters["A"])})
+
+
+async def test_random_loads_unloads_requests_and_aborts_agree_with_a_model(app, files):
+    """Seeded rounds of concurrent tasks: at most one load or unload per name and round, and
+    requests (some abandoned mid-stream) on any name. Each management answer is the model's;
+    a request gets 404 or the tokens of a version its name had during the round; after each
+    round every view agrees with the model."""
+    client, fleet, backends = app
+    _, adapters, expected = files
+    rng = random.Random(20261127)
+    names = ["a", "b", "c"]
+    state: dict[str, str | None] = dict.fromkeys(names)  # name -> adapter key, None: absent
+
+    async def manage(name: str, op: str, key: str | None) -> None:
+        before = state[name]
+        if op == "load":
+            r = await load(client, name, adapters[key])
+            if before is None:
+                assert r.status_code == 200, r.text
+                state[name] = key
+            else:
+                assert "already been loaded" in assert_openai_error(r, 400)["message"]
+        else:
+            r = await unload(client, name)
+            if before is not None:
+                assert r.status_code == 200, r.text
+                state[name] = None
+            else:
+                assert_openai_error(r, 404)
+
+    async def request(name: str, allowed: set[str | None], abandon_after: float | None) -> None:
+        call = asyncio.create_task(complete(client, name))
+        if abandon_after is not None:
+            await asyncio.sleep(abandon_after)
+            call.cancel()
+        try:
+            r = await call
+        except asyncio.CancelledError:
+            return
+        if r.status_code == 404:
+            assert None in allowed, (name, allowed)
+        else:
+            assert r.status_code == 200, r.text
+            got = fleet.tokens[r.json()["id"]]
+            assert got in [expected[k] for k in allowed if k is not None], (name, allowed)
+
+    for _ in range(12):
+        ops = {}
+        for name in names:
+            op = rng.choice(["load", "unload", None])
+            if op is not None:
+                ops[name] = (op, rng.choice(["A", "B"]))
+        tasks = []
+        for _ in range(4):
+            name = rng.choice(names)
+            allowed = {state[name]}  # what the name serves now, and after its change if any
+            op, key = ops.get(name, (None, None))
+            if op == "load" and state[name] is None:
+                allowed.add(key)
+            elif op == "unload" and state[name] is not None:
+                allowed.add(None)
+            abandon = rng.choice([None, None, 0.0, 0.02])
+            tasks.append(request(name, allowed, abandon))
+        tasks += [manage(name, op, key) for name, (op, key) in ops.items()]
+        rng.shuffle(tasks)
+        await asyncio.gather(*tasks)
+        loaded = {n: str(adapters[k]) for n, k in state.items() if k is not None}
+        await assert_converged(client, fleet, backends, loaded)
+    for name, key in state.items():  # the next request agrees too
+        r = await complete(client, name)
+        if key is None:
+            assert_openai_error(r, 404)
+        else:
+            assert fleet.tokens[r.json()["id"]] == expected[key]
+
+
+@pytest.mark.parametrize("kind", sorted(AT_ENGINE))
+async def test_an_adapter_that_does_not_fit_the_model_is_400_at_load(app, files, tmp_path, kind):
+    """What the ingress cannot check without the model (in/out sizes, layer count) the engine
+    replicas refuse at load: 400 naming the tensor, and nothing loaded anywhere."""
+    client, fleet, backends = app
+    _, adapters, _ = files
+    bad = damage(adapters["A"], tmp_path / kind, kind)
+    r = await load(client, "x", bad)
+    error = assert_openai_error(r, 400)
+    assert AT_ENGINE[kind] in error["message"] and "2 of 2" in error["message"], error
+    assert_openai_error(await complete(client, "x"), 404)
+    await assert_converged(client, fleet, backends, {})
