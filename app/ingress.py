@@ -13,7 +13,7 @@ the engine stream aborts the request there: when a stop string matches, when the
 away, on any error.
 
 Before a route runs, `app/guards.py` checks the API key (when one is set) and bounds the body.
-Tokenization and chat templates run on a worker thread (`TokenizerPool`), never on the event loop.
+Tokenization and chat templates run on worker threads (`TokenizerPool`), never on the event loop.
 Every failure answers in OpenAI's error body, JSON, with the status the OpenAPI schema declares
 for the route; a failure of ours (an engine replica died, a bug) says so without internals, which
 go to the log.
@@ -241,7 +241,8 @@ def make_api(
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(str(exc.detail), exc.status_code))
+        # Its headers stay: a 405 lists the allowed methods in `Allow`.
+        return error_response(APIError(str(exc.detail), exc.status_code), headers=exc.headers)
 
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -305,14 +306,21 @@ def make_api(
 
 
 def _openapi(api: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema without its 422 answers (a malformed body is OpenAI's 400 here)."""
+    """FastAPI's schema, with every error answered as JSON in OpenAI's body (FastAPI would give
+    a plain-text route's errors its media type) and without FastAPI's 422 (a malformed body is
+    OpenAI's 400 here)."""
     if api.openapi_schema is None:
         schema = get_openapi(
             title=api.title, version=api.version, summary=api.summary, routes=api.routes
         )
+        error_body = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
         for path in schema.get("paths", {}).values():
             for operation in path.values():
-                operation.get("responses", {}).pop("422", None)
+                responses = operation.get("responses", {})
+                responses.pop("422", None)
+                for status, response in responses.items():
+                    if status.startswith(("4", "5")):
+                        response["content"] = {"application/json": error_body}
         components = schema.get("components", {}).get("schemas", {})
         components.pop("HTTPValidationError", None)
         components.pop("ValidationError", None)
@@ -320,8 +328,8 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
     return api.openapi_schema
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status, headers=headers)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

@@ -1,7 +1,7 @@
 """Text in, token ids out, and back: the tokenizer, chat templates, and streamed detokenization.
 
 `TokenizerPool` runs the heavy direction (a prompt of up to max_model_len tokens, a chat template
-over a long conversation) on a worker thread, so the ingress event loop keeps answering other
+over a long conversation) on worker threads, so the ingress event loop keeps answering other
 requests and /health meanwhile.
 
 The engine streams token ids; `TextStream` turns them into text deltas a client can show as they
@@ -24,6 +24,9 @@ REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequ
 # Prompt tokens decoded ahead of the output, so tokenizers that render a token's leading space
 # only after another token (SentencePiece) get the first output token right.
 _PROMPT_CONTEXT_TOKENS = 5
+# Texts from this many characters on are tokenized in TokenizerPool's long lane (a few thousand
+# tokens: milliseconds of work and more).
+LONG_TEXT_CHARS = 16384
 
 
 class ChatTemplateError(ValueError):
@@ -72,24 +75,34 @@ def apply_chat_template(
 
 
 class TokenizerPool:
-    """Prompt encoding and chat templates off the event loop.
+    """Prompt encoding and chat templates off the event loop, in two lanes.
 
-    One worker thread by default: transformers' fast tokenizers are not safe to call from several
-    threads at once (the Rust tokenizer's settings are borrowed mutably when encode adjusts
-    truncation and padding: "Already borrowed"), and rendering a Jinja template holds the GIL
-    anyway. The event loop keeps the GIL between the worker's slices (and the Rust encoder
-    releases it), so a long prompt delays the next prompt's tokenization, not the loop. More
-    throughput comes from more ingress replicas (`num_ingress_replicas`).
+    A text of `long_text_chars` characters or more (a prompt, or a conversation's contents
+    together) goes to the long lane, anything shorter to the short lane; each lane is one worker
+    thread. So a long prompt never holds up a short one, and the tokenizer is used by at most
+    two threads. Rendering a Jinja template holds the GIL, but the event loop gets it back
+    between the worker's slices (and the Rust encoder releases it), so the loop keeps answering
+    meanwhile.
+
+    transformers' fast tokenizers adjust the Rust tokenizer's truncation and padding on each
+    call when they differ from what the call asks, and that mutation fails when another thread
+    is encoding ("Already borrowed"). Our calls never truncate or pad, so one call here, before
+    any worker runs, leaves nothing to adjust; from then on the workers only read it.
 
     Streamed detokenization (`TextStream`) stays on the event loop: a few tokens at a time.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_workers: int = 1) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, *, long_text_chars: int = LONG_TEXT_CHARS
+    ) -> None:
         self.tokenizer = tokenizer
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tokenize")
+        self.long_text_chars = long_text_chars
+        encode_prompt(tokenizer, "")  # clears truncation and padding once, on this thread
+        self._short = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
+        self._long = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
 
     async def encode_prompt(self, text: str) -> list[int]:
-        return await self._run(encode_prompt, self.tokenizer, text)
+        return await self._run(len(text), encode_prompt, self.tokenizer, text)
 
     async def apply_chat_template(
         self,
@@ -98,21 +111,21 @@ class TokenizerPool:
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return await self._run(
-            functools.partial(
-                apply_chat_template,
-                add_generation_prompt=add_generation_prompt,
-                template_kwargs=template_kwargs,
-            ),
-            self.tokenizer,
-            messages,
+        size = sum(len(str(m.get("content", ""))) for m in messages)
+        render = functools.partial(
+            apply_chat_template,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
         )
+        return await self._run(size, render, self.tokenizer, messages)
 
-    async def _run(self, fn: Any, *args: Any) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _run(self, size: int, fn: Any, *args: Any) -> list[int]:
+        lane = self._long if size >= self.long_text_chars else self._short
+        return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for lane in (self._short, self._long):
+            lane.shutdown(wait=False, cancel_futures=True)
 
 
 class IncrementalDetokenizer:

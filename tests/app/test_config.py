@@ -24,6 +24,18 @@ class TestAppArgs:
     def test_every_field_is_described(self):
         assert all(field.description for field in AppArgs.model_fields.values())
 
+    def test_the_api_key_is_never_printed(self):
+        args = AppArgs(api_key="sk-secret")
+        assert "sk-secret" not in repr(args) and "sk-secret" not in str(args.model_dump())
+        assert args.resolved_api_key() == "sk-secret"
+
+    def test_the_api_key_falls_back_to_the_environment(self, monkeypatch):
+        monkeypatch.setenv("LORAFLEET_API_KEY", "sk-env")
+        assert AppArgs().resolved_api_key() == "sk-env"
+        assert AppArgs(api_key="sk-arg").resolved_api_key() == "sk-arg"
+        monkeypatch.setenv("LORAFLEET_API_KEY", "")
+        assert AppArgs().resolved_api_key() is None
+
     def test_unknown_field_is_rejected_by_name(self):
         with pytest.raises(ValidationError, match="max_lora_rnak"):
             AppArgs.model_validate({"max_lora_rnak": 32})
@@ -50,12 +62,19 @@ class TestAppArgs:
                 "more than once",
             ),
             (
-                {"adapters": {"a": "/a", "b": "/b"}, "pinned_adapters": ["a", "b"],
-                 "max_loras_per_batch": 1, "max_loaded_loras": 4},
+                {
+                    "adapters": {"a": "/a", "b": "/b"},
+                    "pinned_adapters": ["a", "b"],
+                    "max_loras_per_batch": 1,
+                    "max_loaded_loras": 4,
+                },
                 "GPU slots",
             ),
             ({"adapter_loading": "prefetch", "enable_prefetch": False}, "contradicts"),
             ({"adapter_loading": "eager"}, "adapter_loading"),
+            ({"runtime_adapter_dirs": [" "]}, "runtime_adapter_dirs"),
+            ({"api_key": " "}, "api_key"),
+            ({"max_request_body_bytes": 10}, "max_request_body_bytes"),
         ],
     )
     def test_bad_values_are_rejected_with_a_message(self, fields, words):
@@ -114,7 +133,8 @@ class TestAppArgs:
 
     def test_pinned_adapters_reach_the_engine(self):
         args = AppArgs(
-            model="/models/m", adapters={"a": "/adapters/a", "b": "/adapters/b"},
+            model="/models/m",
+            adapters={"a": "/adapters/a", "b": "/adapters/b"},
             pinned_adapters=["b"],
         )
         assert args.to_engine_config("/models/m", "cuda").pinned_adapters == ("b",)

@@ -110,7 +110,11 @@ class TestBuildApp:
         calls.clear()
         engine_kwargs["prepare"]()
         assert calls == [tmp_path / "cache"]
-
+        # Run-time loads: only from the demo's own adapters folder, unless configured.
+        assert settings.runtime_adapter_dirs == (str(model_dir.parent / "adapters"),)
+        args["runtime_adapter_dirs"] = [str(tmp_path / "mine")]
+        _, settings, *_ = bound(build_app(args))
+        assert settings.runtime_adapter_dirs == (str(tmp_path / "mine"),)
 
     def test_pinning_a_demo_adapter_is_checked_after_merging(
         self, model_dir, tmp_path, monkeypatch
@@ -126,6 +130,40 @@ class TestBuildApp:
         assert engine_args[0].pinned_adapters == ("demo-sql",)
         with pytest.raises(ValueError, match="not configured"):
             build_app({**args, "pinned_adapters": ["demo-nope"]})
+
+
+class TestSecuritySettings:
+    def test_by_default_loading_is_off_no_key_and_the_body_limit_follows_the_context(
+        self, model_dir, monkeypatch
+    ):
+        monkeypatch.delenv("LORAFLEET_API_KEY", raising=False)
+        _, settings, *_ = bound(build_app({"model": str(model_dir), "max_model_len": 4096}))
+        assert settings.runtime_adapter_dirs == ()
+        assert settings.api_key is None
+        assert settings.body_limit == 2**20 + 32 * 4096
+
+    def test_folders_are_made_absolute_and_the_limit_is_kept(
+        self, model_dir, tmp_path, monkeypatch
+    ):
+        monkeypatch.chdir(tmp_path)
+        args = {
+            "model": str(model_dir),
+            "runtime_adapter_dirs": ["adapters", "/srv/adapters"],
+            "max_request_body_bytes": 5000,
+        }
+        _, settings, *_ = bound(build_app(args))
+        assert settings.runtime_adapter_dirs == (str(tmp_path / "adapters"), "/srv/adapters")
+        assert settings.body_limit == 5000
+
+    def test_the_key_comes_from_the_arg_else_the_environment_and_is_never_shown(
+        self, model_dir, monkeypatch
+    ):
+        monkeypatch.setenv("LORAFLEET_API_KEY", "from-env")
+        _, settings, *_ = bound(build_app({"model": str(model_dir)}))
+        assert settings.api_key == "from-env"
+        _, settings, *_ = bound(build_app({"model": str(model_dir), "api_key": "from-arg"}))
+        assert settings.api_key == "from-arg"
+        assert "from-arg" not in repr(settings)
 
 
 def test_explicit_device_is_kept():
