@@ -44,7 +44,7 @@ REQUEST_TIMEOUT_S = 60.0  # a request open longer than this counts as hung
 class ChaosPlan:
     """One chaos run. Kill times are fractions of `duration_s`."""
 
-    models: tuple[str, ...]  # what the traffic asks for (base and adapters that stay loaded)
+    models: tuple[str, ...]  # what the traffic asks for: the base model first, then adapters
     churn_path: str  # adapter folder loaded and unloaded under `churn_names`
     churn_names: tuple[str, ...] = ("churn-0", "churn-1", "churn-2")
     duration_s: float = 20.0
@@ -225,7 +225,8 @@ async def kill_loop(
 
 async def orphan(url: str, plan: ChaosPlan, log: ChaosLog) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
-        log.outcomes.append(await one_request(client, "tiny", plan.long_max_tokens, None, True))
+        model = plan.models[0]
+        log.outcomes.append(await one_request(client, model, plan.long_max_tokens, None, True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,6 +435,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     model_dir = write_model(work, TINY)
+    (work / "adapters").mkdir()
     adapters = write_fleet(work / "adapters", ModelSpec.from_dir(model_dir), ["a", "b", "c"], 8)
     port = free_port()
     app = "chaos"
