@@ -135,10 +135,11 @@ class ServeEngineClient(ServeFleetClient):
             # The exception names the replica's actor, process and class: the log's, not the
             # client's.
             logger.warning("request %s: engine replica failed: %r", request.request_id, e)
+            message = ENGINE_BUSY if isinstance(e, BackPressureError) else ENGINE_FAILED
             yield GenerateChunk(
                 request.request_id,
                 finish_reason="error",
-                error=EngineError(ENGINE_FAILED, 503, "ServiceUnavailableError"),
+                error=EngineError(message, 503, "ServiceUnavailableError"),
             )
         finally:
             self.lease.release()
@@ -150,6 +151,7 @@ class ServeEngineClient(ServeFleetClient):
 
 
 ENGINE_FAILED = "the engine replica serving this request failed or is unavailable; retry"
+ENGINE_BUSY = "every engine replica's queue is full; retry later"
 INTERNAL_ERROR = "the server failed to complete this request (an internal error, logged)"
 
 

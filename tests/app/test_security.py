@@ -207,6 +207,18 @@ class TestBodyLimit:
         assert_openai_error(plain, 400, code="context_length_exceeded")
         assert_openai_error(chunked, 400, code="context_length_exceeded")
 
+    def test_the_context_length_comes_from_the_model_when_not_configured(self, tmp_path):
+        from app.ingress import model_context_length
+
+        (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+        assert model_context_length(tmp_path) == 8192
+        nested = {"text_config": {"max_position_embeddings": 4096}}
+        (tmp_path / "config.json").write_text(json.dumps(nested))
+        assert model_context_length(tmp_path) == 4096
+        (tmp_path / "config.json").write_text("{not json")
+        assert model_context_length(tmp_path) is None
+        assert model_context_length(tmp_path / "missing") is None
+
     def test_the_default_limit_holds_a_full_context_of_escaped_text(self):
         settings = ApiSettings(served_model_name=BASE, model_root="/m", max_model_len=8192)
         assert settings.body_limit == default_body_limit(8192) == 2**20 + 32 * 8192
@@ -404,6 +416,41 @@ class TestEngineFailures:
         for internal in ("actor", "pid", "EngineDeployment", "10.0.0.7", "RuntimeError"):
             assert internal not in r.text
 
+    @pytest.mark.parametrize("after_chunks", [0, 2])
+    async def test_through_the_serve_handle_ray_errors_say_nothing_of_the_replica(
+        self, tokenizer, after_chunks
+    ):
+        from ray.exceptions import ActorDiedError
+
+        from app.ingress import ServeEngineClient
+
+        class Died(ActorDiedError):
+            def __str__(self):
+                return (
+                    "The actor died unexpectedly. class_name: EngineDeployment, actor_id: "
+                    "8f3e5a01, pid: 4242, ip: 10.0.0.7"
+                )
+
+        handle = FakeHandle(after_chunks, Died())
+        settings = ApiSettings(served_model_name=BASE, model_root="/m")
+        api = make_api(
+            ServeEngineClient(handle),
+            tokenizer,
+            settings,
+            metrics=IngressMetrics(FakeMetricsBackend()),
+        )
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            r = await client.post(
+                "/v1/completions", json={"model": BASE, "prompt": "a", "stream": True}
+            )
+        if after_chunks == 0:
+            assert "engine replica" in assert_openai_error(r, 503)["message"]
+        else:
+            assert r.status_code == 200 and '"error"' in r.text and "engine replica" in r.text
+        for internal in ("actor", "pid", "EngineDeployment", "10.0.0.7", "Died"):
+            assert internal not in r.text
+
     async def test_an_unexpected_fault_is_a_json_500_without_internals(self, tokenizer):
         class Broken(FakeEngine):
             async def info(self):
@@ -417,3 +464,44 @@ class TestEngineFailures:
             r = await client.post("/v1/completions", json={"model": BASE, "prompt": "a"})
         error = assert_openai_error(r, 500)
         assert "not a number" not in error["message"] and "ValueError" not in r.text
+
+
+class FakeHandle:
+    """A handle to the engine deployment whose replica dies after `after_chunks` chunks: its
+    streamed response raises `error`, as Ray's does."""
+
+    def __init__(self, after_chunks: int, error: BaseException) -> None:
+        self.after_chunks = after_chunks
+        self.error = error
+        self.generate = _Method(self._generate)
+        self.info = _Method(self._info)
+
+    def options(self, **_):
+        return self
+
+    async def _info(self):
+        return {"max_model_len": 64, "eos_token_ids": [257], "vocab_size": 259}
+
+    def _generate(self, request: GenerateRequest, *_):
+        return _Streamed(self._chunks(request))
+
+    async def _chunks(self, request: GenerateRequest):
+        for _ in range(self.after_chunks):
+            yield GenerateChunk(request.request_id, list(b"ab"), None, 1)
+        raise self.error
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class _Streamed:
+    def __init__(self, chunks) -> None:
+        self._chunks = chunks
+
+    def __aiter__(self):
+        return self._chunks
+
+    def cancel(self) -> None:
+        pass
