@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.protocol import APIError
-
-ErrorSender = Callable[[Send, APIError, dict[str, str]], Awaitable[None]]
 
 # The default body limit: room for a chat request's JSON around a prompt of max_model_len
 # tokens, however it is written. A token is a few characters of text, or an id of up to six

@@ -2,7 +2,9 @@
 
 Requests accept what OpenAI clients send. Fields the engine cannot honour are refused with a 400
 when set to anything but their neutral value (`n`, `echo`, `logprobs`, penalties, ...), instead
-of being silently ignored. Unknown fields are ignored, as OpenAI-compatible servers do.
+of being silently ignored. Unknown fields are ignored, as OpenAI-compatible servers do. Text
+anywhere in a request must be valid Unicode (`RequestBody`), and integers the engine takes as
+64-bit are bounded here, so a client's mistake is a 400 rather than a failure further in.
 """
 
 from __future__ import annotations
