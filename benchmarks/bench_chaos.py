@@ -79,6 +79,7 @@ class ChaosLog:
     kills: dict[str, float] = field(default_factory=dict)  # what -> when (monotonic)
     whole_again: dict[str, float] = field(default_factory=dict)  # what -> when fleet recovered
     samples: list[tuple[float, int, bool]] = field(default_factory=list)  # (t, engines, http up)
+    orphans: int = 0  # long streams running in an engine when the ingress was killed
     orphan_abort_s: float | None = None  # ingress kill -> its orphans aborted in the engines
 
 
@@ -114,9 +115,15 @@ def kill_9(app: str, deployment: str, rng: random.Random) -> int:
 
 
 async def one_request(
-    client: httpx.AsyncClient, model: str, max_tokens: int, hang_up_after: int | None, long: bool
+    client: httpx.AsyncClient,
+    model: str,
+    max_tokens: int,
+    hang_up_after: int | None,
+    long: bool,
+    first_chunk: asyncio.Event | None = None,
 ) -> Outcome:
-    """One streamed completion, classified by how it ended."""
+    """One streamed completion, classified by how it ended. `first_chunk` is set when its
+    first tokens arrive (the request is running in an engine)."""
     body = {
         "model": model,
         "prompt": [5, 17, 200, 33],
@@ -149,6 +156,8 @@ async def one_request(
                         error = event["error"].get("type") or "error"
                         continue
                     chunks += 1
+                    if first_chunk is not None:
+                        first_chunk.set()
                     for choice in event.get("choices", []):
                         finish = choice.get("finish_reason") or finish
                     if hang_up_after is not None and chunks >= hang_up_after and finish is None:
@@ -205,28 +214,34 @@ async def kill_loop(
         abandoned = 0
         if deployment == INGRESS and plan.orphans:
             abandoned = total(await fleet_stats(app), "num_abandoned")
-            running = total(await fleet_stats(app), "num_running")
-            orphans = [asyncio.create_task(orphan(url, plan, log)) for _ in range(plan.orphans)]
-            deadline = time.monotonic() + 10.0
-            while total(await fleet_stats(app), "num_running") < running + plan.orphans:
-                if time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.05)
+            running = [asyncio.Event() for _ in range(plan.orphans)]
+            orphans = [asyncio.create_task(orphan(url, plan, log, e)) for e in running]
+            try:  # each has its first tokens: it runs in an engine
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running)), 30.0)
+            except TimeoutError:
+                pass
+            log.orphans = sum(e.is_set() for e in running)
         await asyncio.to_thread(kill_9, app, deployment, rng)
         killed = log.kills[deployment] = time.monotonic()
-        if deployment == INGRESS and plan.orphans:
+        if deployment == INGRESS and log.orphans:
             while time.monotonic() < killed + 30.0:
-                if total(await fleet_stats(app), "num_abandoned") >= abandoned + plan.orphans:
+                if total(await fleet_stats(app), "num_abandoned") >= abandoned + log.orphans:
                     log.orphan_abort_s = time.monotonic() - killed
                     break
                 await asyncio.sleep(0.05)
     await asyncio.gather(*orphans)
 
 
-async def orphan(url: str, plan: ChaosPlan, log: ChaosLog) -> None:
+async def orphan(url: str, plan: ChaosPlan, log: ChaosLog, running: asyncio.Event) -> None:
+    """A long stream left running when the ingress dies; sent again (a few times) while it
+    fails before its first tokens, e.g. when routed to an engine replica just killed."""
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
-        model = plan.models[0]
-        log.outcomes.append(await one_request(client, model, plan.long_max_tokens, None, True))
+        model, max_tokens = plan.models[0], plan.long_max_tokens
+        for _ in range(5):
+            log.outcomes.append(await one_request(client, model, max_tokens, None, True, running))
+            if running.is_set():
+                return
+            await asyncio.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,6 +410,7 @@ def summarize(
         "engines_after": len(after),
         "aborted": total(after, "num_aborted") - total(before, "num_aborted"),
         "abandoned": total(after, "num_abandoned") - total(before, "num_abandoned"),
+        "orphans": log.orphans,
         "orphan_abort_s": log.orphan_abort_s,
         "ingress_killed_s": None if ingress_killed is None else ingress_killed - t0,
         # Streams cut without [DONE]: those the dead ingress was sending when it died.
