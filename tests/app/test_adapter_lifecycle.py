@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
@@ -194,8 +195,10 @@ async def test_random_loads_unloads_requests_and_aborts_agree_with_a_model(app, 
     rng = random.Random(20261127)
     names = ["a", "b", "c"]
     state: dict[str, str | None] = dict.fromkeys(names)  # name -> adapter key, None: absent
+    seen: Counter[str] = Counter()  # what the rounds exercised
 
-    async def manage(name: str, op: str, key: str | None) -> None:
+    async def manage(name: str, op: str, key: str | None, delay: float) -> None:
+        await asyncio.sleep(delay)  # so that some requests reach the engines first
         before = state[name]
         if op == "load":
             r = await load(client, name, adapters[key])
@@ -220,7 +223,9 @@ async def test_random_loads_unloads_requests_and_aborts_agree_with_a_model(app, 
         try:
             r = await call
         except asyncio.CancelledError:
+            seen["abandoned"] += 1
             return
+        seen[f"{r.status_code} while changing" if len(allowed) > 1 else str(r.status_code)] += 1
         if r.status_code == 404:
             assert None in allowed, (name, allowed)
         else:
@@ -228,28 +233,29 @@ async def test_random_loads_unloads_requests_and_aborts_agree_with_a_model(app, 
             got = fleet.tokens[r.json()["id"]]
             assert got in [expected[k] for k in allowed if k is not None], (name, allowed)
 
-    for _ in range(12):
+    for _ in range(20):
         ops = {}
         for name in names:
             op = rng.choice(["load", "unload", None])
             if op is not None:
-                ops[name] = (op, rng.choice(["A", "B"]))
+                ops[name] = (op, rng.choice(["A", "B"]), rng.choice([0.0, 0.01, 0.03, 0.06]))
         tasks = []
-        for _ in range(4):
+        for _ in range(5):
             name = rng.choice(names)
             allowed = {state[name]}  # what the name serves now, and after its change if any
-            op, key = ops.get(name, (None, None))
+            op, key, _ = ops.get(name, (None, None, None))
             if op == "load" and state[name] is None:
                 allowed.add(key)
             elif op == "unload" and state[name] is not None:
                 allowed.add(None)
-            abandon = rng.choice([None, None, 0.0, 0.02])
+            abandon = rng.choice([None, None, None, 0.0, 0.02])
             tasks.append(request(name, allowed, abandon))
-        tasks += [manage(name, op, key) for name, (op, key) in ops.items()]
+        tasks += [manage(name, *op) for name, op in ops.items()]
         rng.shuffle(tasks)
         await asyncio.gather(*tasks)
         loaded = {n: str(adapters[k]) for n, k in state.items() if k is not None}
         await assert_converged(client, fleet, backends, loaded)
+    assert all(seen[k] >= 3 for k in ("200", "404", "200 while changing", "abandoned")), seen
     for name, key in state.items():  # the next request agrees too
         r = await complete(client, name)
         if key is None:
