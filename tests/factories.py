@@ -240,3 +240,9 @@ def save_sharded(model_dir: str | Path, out_dir: str | Path, max_shard_size: str
         if path.suffix != ".safetensors" and not (out / path.name).exists():
             shutil.copy(path, out / path.name)
     return out
+
+
+def reference_model(model_dir: str | Path, adapter_dir: str | Path | None = None):
+    """The transformers (+ PEFT) model the references run, for tests that inspect its modules
+    (a PEFT layer's `r` and `scaling`): float32, eager attention, eval mode, a fresh load."""
+    return _load_model(model_dir, adapter_dir)

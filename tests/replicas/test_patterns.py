@@ -11,7 +11,7 @@ import torch
 
 from replicas.adapters.loader import load_adapter
 from replicas.request import Request
-from tests.factories import _load_model, hf_greedy, hf_logits, make_adapter
+from tests.factories import hf_greedy, hf_logits, make_adapter, reference_model
 from tests.replicas.conftest import adapter_logits, greedy, make_engine, run_to_completion
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -52,7 +52,7 @@ def test_each_module_has_peft_rank_and_scaling(models, patterned):
     PEFT's `r` and `lora_B * scaling`, so a mismatch names its module."""
     engine = make_engine(models["llama"])
     ours = load_adapter("p", patterned, engine.spec, max_lora_rank=16)
-    peft = _load_model(models["llama"], patterned)
+    peft = reference_model(models["llama"], patterned)
     seen, scalings = 0, set()
     for name, module in peft.named_modules():
         if not hasattr(module, "lora_B") or "default" not in module.lora_B:
