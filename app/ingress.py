@@ -195,7 +195,6 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         403: "Turned off on this server",
         404: "Unknown model or adapter",
         413: "The body is larger than the server accepts",
-        429: "Too many requests",
         500: "Internal error (details in the server log)",
         503: "No engine replica can take the request now",
     }
@@ -204,7 +203,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 # What every /v1/ route may answer besides its own errors.
 _COMMON_ERRORS = (400, 401, 413, 500)
-_GENERATION_ERRORS = _errors(*_COMMON_ERRORS, 404, 429, 503)
+_GENERATION_ERRORS = _errors(*_COMMON_ERRORS, 404, 503)
 _STREAMED = {"text/event-stream": {"schema": {"type": "string"}}}
 
 

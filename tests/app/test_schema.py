@@ -10,6 +10,7 @@ say so, so that check is left out.
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -60,3 +61,24 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 )
 def test_every_answer_is_declared_and_none_is_a_server_error(case, session):
     case.call_and_validate(session=session, excluded_checks=[positive_data_acceptance])
+
+
+async def test_each_route_declares_its_errors_as_openai_bodies(app_under_test):
+    transport = httpx.ASGITransport(app=app_under_test)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        paths = (await client.get("/openapi.json")).json()["paths"]
+    declared = {
+        f"{method.upper()} {path}": set(operation["responses"])
+        for path, item in paths.items()
+        for method, operation in item.items()
+    }
+    assert declared["POST /v1/completions"] >= {"200", "400", "401", "404", "413", "500", "503"}
+    assert declared["POST /v1/chat/completions"] == declared["POST /v1/completions"]
+    assert declared["POST /v1/load_lora_adapter"] >= {"200", "400", "401", "403", "413", "503"}
+    assert all("422" not in statuses for statuses in declared.values())
+    for item in paths.values():
+        for operation in item.values():
+            for status, response in operation["responses"].items():
+                if status >= "400":
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
