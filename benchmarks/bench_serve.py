@@ -46,407 +46,49 @@ Workloads (`--workload`):
 
 Results: benchmarks/results/bench_serve_<workload>[_<N>x][_smoke].{md,json}, with the command,
 device, date, ceilings, every figure and the ratios.
+
+Files: serve_workloads.py (workloads, streams), serve_http.py (the app through HTTP, the sweep),
+serve_engine.py (the in-process driver), serve_roofline.py, serve_goodput.py (the search),
+serve_report.py (rows, ratios, results files); this one builds the model and runs the three.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
-import math
-import os
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
 from app.config import AppArgs
-from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
-from benchmarks.bench_router_serve import adapter_names, wait_healthy, write_model
-from benchmarks.common import append_table, device_name, write_results
-from benchmarks.loadgen import (
-    LengthRange,
-    LoadConfig,
-    OpenAIClient,
-    RequestSpec,
-    WorkloadConfig,
-    build_workload,
-    run_benchmark,
-    summarize,
-)
-from benchmarks.loadgen.arrivals import arrival_offsets
-from benchmarks.loadgen.runner import warm_up
-from benchmarks.loadgen.workload import rng_for, workload_digest
+from benchmarks.bench_churn import write_fleet
+from benchmarks.bench_router_serve import adapter_names, write_model
+from benchmarks.common import device_name
+from benchmarks.loadgen import RequestSpec, summarize
+from benchmarks.loadgen.workload import workload_digest
 from benchmarks.serve_engine import drive
-from benchmarks.serve_goodput import Goodput, Objectives, search
+from benchmarks.serve_goodput import Objectives
+from benchmarks.serve_http import HttpPhase, deploy_and_measure
+from benchmarks.serve_report import Measured, goodput_json, ratios, roofline_row, row, save
 from benchmarks.serve_roofline import FORMULA, Roofline, measure_ceilings, roofline
+from benchmarks.serve_workloads import (
+    BASE_MODEL,
+    SMOKE,
+    WORKLOADS,
+    Stream,
+    Workload,
+    describe,
+    streams,
+    warmup_specs,
+)
 from replicas.models.spec import ModelSpec
-
-BASE_MODEL = "base"
-APP_NAME = "bench-serve"
-ENGINE_DEPLOYMENT = "EngineDeployment"
-WARMUP_OUTPUT_TOKENS = 8
-LLAMA31_8B = {
-    **LLAMA3_8B,
-    "max_position_embeddings": 131072,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# Workloads
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A named workload: the model, the adapters, the requests and how they arrive. Each count
-    in `adapter_counts` is a stream of its own over the same prompts and lengths."""
-
-    name: str
-    shape: str  # the model's name, for the results
-    model: Mapping[str, Any]  # config.json of a Llama-shaped model (weights: dummy)
-    adapter_counts: tuple[int, ...]
-    rank: int
-    slots: int  # max_loras_per_batch
-    num_requests: int
-    input_len: LengthRange
-    output_len: LengthRange
-    rate: float  # requests/s, Poisson; inf: all at once
-    max_num_seqs: int
-    max_model_len: int
-    sweep_steps: int = 0  # > 0: a goodput sweep of this many bisection steps
-    published: tuple[str, dict[str, float]] | None = None  # source, {figure: value}
-
-    @property
-    def num_adapters(self) -> int:
-        return max(self.adapter_counts)
-
-
-def _range(text: str) -> LengthRange:
-    return LengthRange.parse(text)
-
-
-SATURATED = Workload(
-    name="saturated", shape="Llama-3-8B", model=LLAMA3_8B, adapter_counts=(32, 1), rank=16,
-    slots=32, num_requests=512, input_len=_range("128:512"), output_len=_range("128"),
-    rate=math.inf, max_num_seqs=128, max_model_len=1024,
-)  # fmt: skip
-WORKLOADS = {
-    "saturated": SATURATED,
-    "poisson": replace(
-        SATURATED, name="poisson", adapter_counts=(32,), num_requests=160, sweep_steps=3
-    ),
-    "seeds": Workload(
-        name="seeds", shape="Llama-3.1-8B", model=LLAMA31_8B, adapter_counts=(1,), rank=16,
-        slots=1, num_requests=480, input_len=_range("200:1000"), output_len=_range("100:400"),
-        rate=8.0, max_num_seqs=128, max_model_len=2048,
-        published=("SGLang", {"ttft_p50_ms": 62.65, "itl_p50_ms": 22.68}),
-    ),
-}  # fmt: skip
-# `--smoke`: the same code on CPU with a tiny model and a handful of requests.
-TINY_SIZES = dict(shape="tiny", model=TINY, rank=4, max_num_seqs=8, max_model_len=128)
-SMOKE = {
-    "saturated": replace(
-        SATURATED, **TINY_SIZES, adapter_counts=(4, 1), slots=4, num_requests=12,
-        input_len=_range("8:32"), output_len=_range("8"),
-    ),
-    "poisson": replace(
-        WORKLOADS["poisson"], **TINY_SIZES, adapter_counts=(4,), slots=4, num_requests=8,
-        input_len=_range("8:32"), output_len=_range("8"), sweep_steps=1,
-    ),
-    "seeds": replace(
-        WORKLOADS["seeds"], **TINY_SIZES, num_requests=12, input_len=_range("16:48"),
-        output_len=_range("4:12"),
-    ),
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Stream:
-    """The requests of one measured run and how they arrive: `offsets()` are the send times
-    `run_load` uses for `load` (same generator, same seed), so HTTP and in-process see the same
-    arrivals."""
-
-    label: str
-    specs: list[RequestSpec]
-    load: LoadConfig
-
-    def offsets(self) -> np.ndarray:
-        return arrival_offsets(
-            len(self.specs),
-            self.load.request_rate,
-            self.load.burstiness,
-            rng_for(self.load.seed, "arrivals"),
-        )
-
-    def at(self, rate: float) -> Stream:
-        return Stream(self.label, self.specs, replace(self.load, request_rate=rate))
-
-
-def adapters_label(count: int) -> str:
-    return f"{count} adapter" + ("s" if count != 1 else "")
-
-
-def streams(wl: Workload, names: Sequence[str], seed: int, timeout_s: float) -> list[Stream]:
-    """One stream per adapter count: the same prompts and lengths (loadgen draws them from
-    generators of their own), adapters picked uniformly among the first `count` names."""
-    out = []
-    for count in wl.adapter_counts:
-        specs = build_workload(
-            WorkloadConfig(
-                num_prompts=wl.num_requests,
-                input_len=wl.input_len,
-                output_len=wl.output_len,
-                adapters=tuple(names[:count]),
-                base_model=BASE_MODEL,
-                popularity="uniform",
-                seed=seed,
-            )
-        )
-        load = LoadConfig(request_rate=wl.rate, timeout_s=timeout_s, seed=seed)
-        out.append(Stream(adapters_label(count), specs, load))
-    return out
-
-
-def warmup_specs(wl: Workload, names: Sequence[str], replicas: int, seed: int) -> list[RequestSpec]:
-    """A burst over every adapter in turn with short outputs: full batches, every prompt length
-    and every slot in use on each replica before anything is timed."""
-    count = min(wl.num_requests, max(wl.num_adapters, wl.max_num_seqs)) * replicas
-    short = min(WARMUP_OUTPUT_TOKENS, wl.output_len.high)
-    return build_workload(
-        WorkloadConfig(
-            num_prompts=max(count, 2),
-            input_len=wl.input_len,
-            output_len=LengthRange(short, short),
-            adapters=tuple(names),
-            base_model=BASE_MODEL,
-            popularity="distinct",
-            seed=seed + 1,
-        )
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Figures
-
-
-@dataclass
-class Measured:
-    """One stream's figures on one path."""
-
-    summary: dict  # loadgen.metrics.summarize
-    busy_share: list[float] = field(default_factory=list)  # per replica (one in-process)
-    requests_per_replica: list[int] = field(default_factory=list)
-
-
-def fleet_figures(
-    before: Mapping[str, Mapping[str, Any]],
-    after: Mapping[str, Mapping[str, Any]],
-    duration_s: float,
-) -> tuple[list[int], list[float]]:
-    """Requests finished per replica and each replica's busy share over a run, from
-    `replica_stats` answers keyed by replica id, taken before and after it (a replica missing
-    before counts from zero). Replicas in id order."""
-    requests, busy = [], []
-    for rid in sorted(after):
-        prior = before.get(rid, {})
-        requests.append(int(after[rid]["num_finished"]) - int(prior.get("num_finished", 0)))
-        grown = float(after[rid]["busy_s"]) - float(prior.get("busy_s", 0.0))
-        busy.append(grown / duration_s if duration_s > 0 else 0.0)
-    return requests, busy
-
-
-def row(label: str, path: str, m: Measured) -> dict[str, Any]:
-    s = m.summary
-    figures = {
-        "stream": label,
-        "path": path,
-        "completed": s["completed"],
-        "failed": s["failed"],
-        "throughput_tok_s": s["output_token_throughput"],
-        "request_throughput": s["request_throughput"],
-        "duration_s": s["duration_s"],
-    }
-    for name, key, scale in (("ttft", "ttft_ms", 1.0), ("itl", "itl_ms", 1.0),
-                             ("e2e", "e2e_ms", 1e-3)):  # fmt: skip
-        unit = "s" if name == "e2e" else "ms"
-        for p in ("p50", "p90", "p99"):
-            v = s[key][p]
-            figures[f"{name}_{p}_{unit}"] = None if v is None else v * scale
-    figures["busy_share"] = (
-        sum(m.busy_share) / len(m.busy_share) if m.busy_share else None
-    )  # the replicas' mean
-    figures["requests_per_replica"] = m.requests_per_replica or None
-    return figures
-
-
-def roofline_row(label: str, roof: Roofline) -> dict[str, Any]:
-    return {
-        "stream": label,
-        "path": "roofline",
-        "throughput_tok_s": roof.tok_s,
-        "duration_s": roof.seconds,
-    }
-
-
-def ratios(
-    rows: Sequence[Mapping[str, Any]],
-    replicas: int,
-    published: tuple[str, Mapping[str, float]] | None = None,
-) -> list[dict[str, Any]]:
-    """Per stream: HTTP / (replicas x in-process) and replicas x in-process / roofline tok/s,
-    HTTP / roofline; TTFT and ITL P50 over published figures. Across streams (adapter counts):
-    the first stream's tok/s over each later one's, per path. None where a figure is missing."""
-    by = {(r["stream"], r["path"]): r for r in rows}
-    labels = list(dict.fromkeys(r["stream"] for r in rows))
-
-    def tok(label: str, path: str) -> float | None:
-        r = by.get((label, path))
-        return None if r is None else r.get("throughput_tok_s")
-
-    def div(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b else None
-
-    out = []
-    for label in labels:
-        http, local, roof = tok(label, "http"), tok(label, "in-process"), tok(label, "roofline")
-        local_fleet = None if local is None else replicas * local
-        out.append({"ratio": f"{label}: HTTP / in-process", "value": div(http, local_fleet)})
-        out.append({"ratio": f"{label}: in-process / roofline", "value": div(local_fleet, roof)})
-        out.append({"ratio": f"{label}: HTTP / roofline", "value": div(http, roof)})
-        if published is not None:
-            source, figures = published
-            for path in ("http", "in-process"):
-                for key, value in figures.items():
-                    ours = (by.get((label, path)) or {}).get(key)
-                    out.append({"ratio": f"{label}: {path} {key} / {source}",
-                                "value": div(ours, value)})  # fmt: skip
-    first = labels[0] if labels else None
-    for label in labels[1:]:
-        for path in ("http", "in-process"):
-            out.append({
-                "ratio": f"{path} tok/s: {first} / {label}",
-                "value": div(tok(first, path), tok(label, path)),
-            })  # fmt: skip
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The app through HTTP
-
-
-async def replica_stats(handle) -> dict[str, dict[str, Any]]:
-    answers = await handle.broadcast("replica_stats").results_async(timeout_s=60)
-    return {a["replica_id"]: a for a in answers}
-
-
-async def http_run(client: OpenAIClient, handle, stream: Stream) -> Measured:
-    before = await replica_stats(handle)
-    result = await run_benchmark(
-        client, stream.specs, [stream.load], warmup=0, progress=sys.stderr.isatty()
-    )
-    report = result.runs[0]
-    after = await replica_stats(handle)
-    requests, busy = fleet_figures(before, after, report.summary["duration_s"])
-    return Measured(report.summary, busy, requests)
-
-
-@dataclass
-class HttpPhase:
-    measured: dict[str, Measured]  # stream label -> figures
-    streams: list[Stream]  # as measured (a sweep's at the goodput rate)
-    goodput: Goodput | None = None
-    capacity_req_s: float | None = None
-
-
-async def http_phase(
-    url: str, wl: Workload, work: list[Stream], warm: list[RequestSpec], timeout_s: float
-) -> HttpPhase:
-    from ray import serve
-
-    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
-    async with OpenAIClient(url, request_timeout_s=timeout_s) as client:
-        records = await warm_up(client, warm, len(warm))
-        failed = [r for r in records if not r.ok]
-        if failed:
-            raise RuntimeError(f"{len(failed)} warm-up requests failed: {failed[0].error}")
-        await asyncio.sleep(1.0)  # residency reports reach the router
-        if wl.sweep_steps:
-            return await sweep(client, handle, wl, work[0], timeout_s)
-        measured = {}
-        for stream in work:
-            measured[stream.label] = await http_run(client, handle, stream)
-            print(stream.label, json.dumps(row(stream.label, "http", measured[stream.label])),
-                  flush=True)  # fmt: skip
-        return HttpPhase(measured, work)
-
-
-async def sweep(client, handle, wl: Workload, stream: Stream, timeout_s: float) -> HttpPhase:
-    """The capacity from a burst of the stream's requests, then the goodput search over
-    [capacity / 8, capacity]; the figures at the goodput rate are the stream's."""
-    burst = await http_run(client, handle, stream.at(math.inf))
-    capacity = burst.summary["request_throughput"] or 1.0
-    at_rate: dict[float, Measured] = {}
-
-    async def measure(rate: float) -> dict:
-        n = len(stream.specs)
-        point = stream.at(rate)
-        point = Stream(
-            point.label,
-            point.specs,
-            replace(point.load, timeout_s=min(timeout_s, 1.5 * n / rate + 60.0)),
-        )
-        measured = await http_run(client, handle, point)
-        at_rate[rate] = measured
-        print(f"rate {rate:.3g}:", json.dumps(row(stream.label, "http", measured)), flush=True)
-        return measured.summary
-
-    found = await search(measure, capacity / 8, capacity, wl.sweep_steps, Objectives())
-    rate = found.rate if found.rate is not None else capacity / 8
-    label = f"{stream.label} at {rate:.3g} req/s"
-    chosen = Stream(label, stream.specs, replace(stream.load, request_rate=rate))
-    return HttpPhase({label: at_rate[rate]}, [chosen], found, capacity)
-
-
-def deploy_and_measure(
-    args: argparse.Namespace, app: AppArgs, wl: Workload, work: list[Stream],
-    warm: list[RequestSpec],
-) -> HttpPhase:  # fmt: skip
-    import ray
-    from ray import serve
-
-    from app.main import build_app
-
-    num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 2), num_gpus=num_gpus,
-             include_dashboard=False)  # fmt: skip
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        serve.run(build_app(app), name=APP_NAME, route_prefix="/")
-        wait_healthy(url)
-        return asyncio.run(http_phase(url, wl, work, warm, args.run_timeout))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-# ---------------------------------------------------------------------------------------------
-# The engine in-process
 
 
 def in_process(
@@ -492,10 +134,6 @@ def wait_device_free(device: str, share: float = 0.9, timeout_s: float = 60.0) -
             return
         time.sleep(0.5)
     print(f"warning: GPU memory still {1 - free / total:.0%} in use", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# The command
 
 
 def app_args(
@@ -628,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "host copy, so the roofline is no floor here; these figures check the code only"
         )
     if http.goodput is not None:
-        meta["goodput"] = goodput_json(http, Objectives())
+        meta["goodput"] = goodput_json(http.goodput, http.capacity_req_s, Objectives())
     # Saved before the in-process run too: a run cut off there keeps the HTTP figures.
     path = report(args, wl, http, {}, roofs, meta, started)
     wait_device_free(args.device)
@@ -665,78 +303,6 @@ def report(
         "elapsed_s": time.monotonic() - started,
     }
     return save(args, wl, rows, meta)
-
-
-def describe(wl: Workload) -> dict[str, Any]:
-    return {
-        "name": wl.name,
-        "model": f"{wl.shape} shape, load_format dummy",
-        "adapters": f"{'/'.join(map(str, wl.adapter_counts))} of rank {wl.rank}, {wl.slots} slots",
-        "requests": wl.num_requests,
-        "prompts": str(wl.input_len),
-        "outputs": str(wl.output_len),
-        "rate": "all at once" if math.isinf(wl.rate) else wl.rate,
-        "max_num_seqs": wl.max_num_seqs,
-    }
-
-
-def goodput_json(http: HttpPhase, objectives: Objectives) -> dict[str, Any]:
-    found = http.goodput
-    return {
-        "rate": found.rate,
-        "bracket": list(found.bracket),
-        "capacity_req_s": http.capacity_req_s,
-        "objectives": {"ttft_p99_ms": objectives.ttft_p99_ms, "itl_p99_ms": objectives.itl_p99_ms},
-        "points": [p.to_row() for p in found.points],
-    }
-
-
-COLUMNS = [
-    "stream", "path", "completed", "throughput_tok_s", "ttft_p50_ms", "ttft_p90_ms",
-    "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s", "e2e_p90_s",
-    "e2e_p99_s", "busy_share", "requests_per_replica",
-]  # fmt: skip
-SWEEP_COLUMNS = [
-    "rate", "passed", "completed", "failed", "request_throughput", "throughput_tok_s",
-    "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-]  # fmt: skip
-
-
-def save(args: argparse.Namespace, wl: Workload, rows: list[dict], meta: dict) -> Path:
-    arrivals = "all at once" if math.isinf(wl.rate) else f"Poisson {wl.rate:g} req/s"
-    if wl.sweep_steps:
-        arrivals = "Poisson, goodput sweep"
-    path = write_results(
-        args.out,
-        f"bench_serve_{args.name}",
-        f"Serving, {wl.name}: {args.replicas} replica(s), {wl.num_requests} requests "
-        f"({arrivals}), prompts {wl.input_len}, outputs {wl.output_len}",
-        "HTTP through Serve against the engine in-process and the roofline, same requests, "
-        "same run",
-        COLUMNS,
-        rows,
-        {k: v for k, v in meta.items() if k not in ("ratios", "goodput")},
-    )
-    # The JSON holds everything; the markdown gets the ratios and the sweep as tables.
-    data = json.loads(path.with_suffix(".json").read_text())
-    data.update({k: meta[k] for k in ("ratios", "goodput") if k in meta})
-    path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-    append_table(path, "Ratios", ["ratio", "value"], meta["ratios"])
-    if "goodput" in meta:
-        g = meta["goodput"]
-        low, high = g["bracket"]
-        found = (
-            "below every rate tried" if g["rate"] is None
-            else f"at least {low:.3g} req/s" if high is None
-            else f"{low:.3g} req/s (fails at {high:.3g})"
-        )  # fmt: skip
-        title = (
-            f"Goodput sweep: {found} (TTFT P99 <= {g['objectives']['ttft_p99_ms']:g} "
-            f"ms, ITL P99 <= {g['objectives']['itl_p99_ms']:g} ms; capacity "
-            f"{g['capacity_req_s']:.3g} req/s)"
-        )
-        append_table(path, title, SWEEP_COLUMNS, g["points"])
-    return path
 
 
 if __name__ == "__main__":

@@ -16,26 +16,18 @@ import torch
 
 from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.bench_router_serve import write_model
-from benchmarks.bench_serve import (
-    Measured,
-    Stream,
-    app_args,
-    fleet_figures,
-    parse_args,
-    ratios,
-    row,
-    save,
-    streams,
-)
+from benchmarks.bench_serve import app_args, parse_args
 from benchmarks.loadgen import LengthRange, LoadConfig, OpenAIClient, run_load, summarize
 from benchmarks.serve_engine import drive
 from benchmarks.serve_goodput import Objectives, search
+from benchmarks.serve_report import Measured, fleet_figures, ratios, row, save
 from benchmarks.serve_roofline import (
     Ceilings,
     kv_bytes_per_token,
     matmul_params,
     roofline,
 )
+from benchmarks.serve_workloads import Stream, streams
 from replicas.engine import Engine
 from replicas.models.spec import ModelSpec
 from tests.benchmarks.fake_server import FakeConfig, serve

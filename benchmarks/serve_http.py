@@ -1,0 +1,123 @@
+"""The app through HTTP: deploy it on a local Ray cluster as `serve run` would, warm it up, send
+each stream through `loadgen`, and read every engine replica's stats around each run (requests
+finished, busy share). For a sweep workload, the goodput search runs here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from app.config import AppArgs
+from benchmarks.bench_router_serve import wait_healthy
+from benchmarks.loadgen import OpenAIClient, RequestSpec, run_benchmark
+from benchmarks.loadgen.runner import warm_up
+from benchmarks.serve_goodput import Goodput, Objectives, search
+from benchmarks.serve_report import Measured, fleet_figures, row
+from benchmarks.serve_workloads import Stream, Workload
+
+APP_NAME = "bench-serve"
+ENGINE_DEPLOYMENT = "EngineDeployment"
+
+
+async def replica_stats(handle) -> dict[str, dict[str, Any]]:
+    answers = await handle.broadcast("replica_stats").results_async(timeout_s=60)
+    return {a["replica_id"]: a for a in answers}
+
+
+async def http_run(client: OpenAIClient, handle, stream: Stream) -> Measured:
+    before = await replica_stats(handle)
+    result = await run_benchmark(
+        client, stream.specs, [stream.load], warmup=0, progress=sys.stderr.isatty()
+    )
+    report = result.runs[0]
+    after = await replica_stats(handle)
+    requests, busy = fleet_figures(before, after, report.summary["duration_s"])
+    return Measured(report.summary, busy, requests)
+
+
+@dataclass
+class HttpPhase:
+    measured: dict[str, Measured]  # stream label -> figures
+    streams: list[Stream]  # as measured (a sweep's at the goodput rate)
+    goodput: Goodput | None = None
+    capacity_req_s: float | None = None
+
+
+async def http_phase(
+    url: str, wl: Workload, work: list[Stream], warm: list[RequestSpec], timeout_s: float
+) -> HttpPhase:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    async with OpenAIClient(url, request_timeout_s=timeout_s) as client:
+        records = await warm_up(client, warm, len(warm))
+        failed = [r for r in records if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} warm-up requests failed: {failed[0].error}")
+        await asyncio.sleep(1.0)  # residency reports reach the router
+        if wl.sweep_steps:
+            return await sweep(client, handle, wl, work[0], timeout_s)
+        measured = {}
+        for stream in work:
+            measured[stream.label] = await http_run(client, handle, stream)
+            print(stream.label, json.dumps(row(stream.label, "http", measured[stream.label])),
+                  flush=True)  # fmt: skip
+        return HttpPhase(measured, work)
+
+
+async def sweep(client, handle, wl: Workload, stream: Stream, timeout_s: float) -> HttpPhase:
+    """The capacity from a burst of the stream's requests, then the goodput search over
+    [capacity / 8, capacity]; the figures at the goodput rate are the stream's."""
+    burst = await http_run(client, handle, stream.at(math.inf))
+    capacity = burst.summary["request_throughput"] or 1.0
+    at_rate: dict[float, Measured] = {}
+
+    async def measure(rate: float) -> dict:
+        n = len(stream.specs)
+        point = stream.at(rate)
+        point = Stream(
+            point.label,
+            point.specs,
+            replace(point.load, timeout_s=min(timeout_s, 1.5 * n / rate + 60.0)),
+        )
+        measured = await http_run(client, handle, point)
+        at_rate[rate] = measured
+        print(f"rate {rate:.3g}:", json.dumps(row(stream.label, "http", measured)), flush=True)
+        return measured.summary
+
+    found = await search(measure, capacity / 8, capacity, wl.sweep_steps, Objectives())
+    rate = found.rate if found.rate is not None else capacity / 8
+    label = f"{stream.label} at {rate:.3g} req/s"
+    chosen = Stream(label, stream.specs, replace(stream.load, request_rate=rate))
+    return HttpPhase({label: at_rate[rate]}, [chosen], found, capacity)
+
+
+def deploy_and_measure(
+    args: argparse.Namespace, app: AppArgs, wl: Workload, work: list[Stream],
+    warm: list[RequestSpec],
+) -> HttpPhase:  # fmt: skip
+    import ray
+    from ray import serve
+
+    from app.main import build_app
+
+    num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 2), num_gpus=num_gpus,
+             include_dashboard=False)  # fmt: skip
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        serve.run(build_app(app), name=APP_NAME, route_prefix="/")
+        wait_healthy(url)
+        return asyncio.run(http_phase(url, wl, work, warm, args.run_timeout))
+    finally:
+        serve.shutdown()
+        ray.shutdown()

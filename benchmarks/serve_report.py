@@ -1,0 +1,176 @@
+"""The benchmark's figures and results: a row per stream and path (HTTP, in-process, roofline,
+published), the fleet's figures from the replicas' stats, the ratios, and the results files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import append_table, write_results
+from benchmarks.serve_goodput import Goodput, Objectives
+from benchmarks.serve_roofline import Roofline
+from benchmarks.serve_workloads import Workload
+
+
+@dataclass
+class Measured:
+    """One stream's figures on one path."""
+
+    summary: dict  # loadgen.metrics.summarize
+    busy_share: list[float] = field(default_factory=list)  # per replica (one in-process)
+    requests_per_replica: list[int] = field(default_factory=list)
+
+
+def fleet_figures(
+    before: Mapping[str, Mapping[str, Any]],
+    after: Mapping[str, Mapping[str, Any]],
+    duration_s: float,
+) -> tuple[list[int], list[float]]:
+    """Requests finished per replica and each replica's busy share over a run, from
+    `replica_stats` answers keyed by replica id, taken before and after it (a replica missing
+    before counts from zero). Replicas in id order."""
+    requests, busy = [], []
+    for rid in sorted(after):
+        prior = before.get(rid, {})
+        requests.append(int(after[rid]["num_finished"]) - int(prior.get("num_finished", 0)))
+        grown = float(after[rid]["busy_s"]) - float(prior.get("busy_s", 0.0))
+        busy.append(grown / duration_s if duration_s > 0 else 0.0)
+    return requests, busy
+
+
+def row(label: str, path: str, m: Measured) -> dict[str, Any]:
+    s = m.summary
+    figures = {
+        "stream": label,
+        "path": path,
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "throughput_tok_s": s["output_token_throughput"],
+        "request_throughput": s["request_throughput"],
+        "duration_s": s["duration_s"],
+    }
+    for name, key, scale in (("ttft", "ttft_ms", 1.0), ("itl", "itl_ms", 1.0),
+                             ("e2e", "e2e_ms", 1e-3)):  # fmt: skip
+        unit = "s" if name == "e2e" else "ms"
+        for p in ("p50", "p90", "p99"):
+            v = s[key][p]
+            figures[f"{name}_{p}_{unit}"] = None if v is None else v * scale
+    figures["busy_share"] = (
+        sum(m.busy_share) / len(m.busy_share) if m.busy_share else None
+    )  # the replicas' mean
+    figures["requests_per_replica"] = m.requests_per_replica or None
+    return figures
+
+
+def roofline_row(label: str, roof: Roofline) -> dict[str, Any]:
+    return {
+        "stream": label,
+        "path": "roofline",
+        "throughput_tok_s": roof.tok_s,
+        "duration_s": roof.seconds,
+    }
+
+
+def ratios(
+    rows: Sequence[Mapping[str, Any]],
+    replicas: int,
+    published: tuple[str, Mapping[str, float]] | None = None,
+) -> list[dict[str, Any]]:
+    """Per stream: HTTP / (replicas x in-process) and replicas x in-process / roofline tok/s,
+    HTTP / roofline; TTFT and ITL P50 over published figures. Across streams (adapter counts):
+    the first stream's tok/s over each later one's, per path. None where a figure is missing."""
+    by = {(r["stream"], r["path"]): r for r in rows}
+    labels = list(dict.fromkeys(r["stream"] for r in rows))
+
+    def tok(label: str, path: str) -> float | None:
+        r = by.get((label, path))
+        return None if r is None else r.get("throughput_tok_s")
+
+    def div(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    out = []
+    for label in labels:
+        http, local, roof = tok(label, "http"), tok(label, "in-process"), tok(label, "roofline")
+        local_fleet = None if local is None else replicas * local
+        out.append({"ratio": f"{label}: HTTP / in-process", "value": div(http, local_fleet)})
+        out.append({"ratio": f"{label}: in-process / roofline", "value": div(local_fleet, roof)})
+        out.append({"ratio": f"{label}: HTTP / roofline", "value": div(http, roof)})
+        if published is not None:
+            source, figures = published
+            for path in ("http", "in-process"):
+                for key, value in figures.items():
+                    ours = (by.get((label, path)) or {}).get(key)
+                    out.append({"ratio": f"{label}: {path} {key} / {source}",
+                                "value": div(ours, value)})  # fmt: skip
+    first = labels[0] if labels else None
+    for label in labels[1:]:
+        for path in ("http", "in-process"):
+            out.append({
+                "ratio": f"{path} tok/s: {first} / {label}",
+                "value": div(tok(first, path), tok(label, path)),
+            })  # fmt: skip
+    return out
+
+
+def goodput_json(found: Goodput, capacity_req_s: float | None, objectives: Objectives) -> dict:
+    return {
+        "rate": found.rate,
+        "bracket": list(found.bracket),
+        "capacity_req_s": capacity_req_s,
+        "objectives": {"ttft_p99_ms": objectives.ttft_p99_ms, "itl_p99_ms": objectives.itl_p99_ms},
+        "points": [p.to_row() for p in found.points],
+    }
+
+
+COLUMNS = [
+    "stream", "path", "completed", "throughput_tok_s", "ttft_p50_ms", "ttft_p90_ms",
+    "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s", "e2e_p90_s",
+    "e2e_p99_s", "busy_share", "requests_per_replica",
+]  # fmt: skip
+SWEEP_COLUMNS = [
+    "rate", "passed", "completed", "failed", "request_throughput", "throughput_tok_s",
+    "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+]  # fmt: skip
+
+
+def save(args: argparse.Namespace, wl: Workload, rows: list[dict], meta: dict) -> Path:
+    arrivals = "all at once" if math.isinf(wl.rate) else f"Poisson {wl.rate:g} req/s"
+    if wl.sweep_steps:
+        arrivals = "Poisson, goodput sweep"
+    path = write_results(
+        args.out,
+        f"bench_serve_{args.name}",
+        f"Serving, {wl.name}: {args.replicas} replica(s), {wl.num_requests} requests "
+        f"({arrivals}), prompts {wl.input_len}, outputs {wl.output_len}",
+        "HTTP through Serve against the engine in-process and the roofline, same requests, "
+        "same run",
+        COLUMNS,
+        rows,
+        {k: v for k, v in meta.items() if k not in ("ratios", "goodput")},
+    )
+    # The JSON holds everything; the markdown gets the ratios and the sweep as tables.
+    data = json.loads(path.with_suffix(".json").read_text())
+    data.update({k: meta[k] for k in ("ratios", "goodput") if k in meta})
+    path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    append_table(path, "Ratios", ["ratio", "value"], meta["ratios"])
+    if "goodput" in meta:
+        g = meta["goodput"]
+        low, high = g["bracket"]
+        found = (
+            "below every rate tried" if g["rate"] is None
+            else f"at least {low:.3g} req/s" if high is None
+            else f"{low:.3g} req/s (fails at {high:.3g})"
+        )  # fmt: skip
+        title = (
+            f"Goodput sweep: {found} (TTFT P99 <= {g['objectives']['ttft_p99_ms']:g} "
+            f"ms, ITL P99 <= {g['objectives']['itl_p99_ms']:g} ms; capacity "
+            f"{g['capacity_req_s']:.3g} req/s)"
+        )
+        append_table(path, title, SWEEP_COLUMNS, g["points"])
+    return path
