@@ -89,26 +89,48 @@ class APIError(Exception):
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def lone_surrogate_at(data: Any) -> str | None:
-    """Where in JSON-decoded `data` a string (or a key) holds a lone UTF-16 surrogate, as a
-    dotted path ("" for `data` itself), or None. JSON may escape one (`"\\ud800"`), Python
+MAX_BODY_DEPTH = 32  # objects and arrays within each other; OpenAI's bodies need a few
+
+
+def body_problem(data: Any) -> str | None:
+    """What makes JSON-decoded `data` unfit for the server, or None: nesting deeper than
+    `MAX_BODY_DEPTH` (chat template variables are walked recursively further in), or a string
+    (or a key) holding a lone UTF-16 surrogate. JSON may escape one (`"\\ud800"`) and Python
     decodes it, but such a string is not Unicode: no tokenizer, template or UTF-8 encoder takes
-    it. Walks iteratively: the depth is the client's choice."""
-    stack: list[tuple[str, Any]] = [("", data)]
+    it. Walks iteratively, skipping numbers (a prompt may be a long list of token ids)."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
     while stack:
         where, value = stack.pop()
         if isinstance(value, str):
             if not _is_unicode(value):
-                return where
-        elif isinstance(value, dict):
+                return f"{_dotted(where)} holds {_SURROGATE}"
+            continue
+        if len(where) >= MAX_BODY_DEPTH:
+            return f"{_dotted(where)} is nested deeper than {MAX_BODY_DEPTH} levels"
+        if isinstance(value, dict):
             for key, item in value.items():
-                path = f"{where}.{key}" if where else str(key)
                 if isinstance(key, str) and not _is_unicode(key):
-                    return where or "(a key)"
-                stack.append((path, item))
+                    return f"a key in {_dotted(where)} holds {_SURROGATE}"
+                if isinstance(item, str | dict | list):
+                    stack.append(((*where, key), item))
         elif isinstance(value, list):
-            stack.extend((f"{where}.{i}".lstrip("."), item) for i, item in enumerate(value))
+            stack.extend(
+                ((*where, i), item)
+                for i, item in enumerate(value)
+                if isinstance(item, str | dict | list)
+            )
     return None
+
+
+_SURROGATE = (
+    "a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), which is not "
+    "valid Unicode"
+)
+
+
+def _dotted(where: tuple[Any, ...]) -> str:
+    path = ".".join(str(part) for part in where) or "the body"
+    return path.encode("utf-8", "backslashreplace").decode()[:200]
 
 
 def _is_unicode(text: str) -> bool:
@@ -122,18 +144,15 @@ def _is_unicode(text: str) -> bool:
 
 
 class RequestBody(BaseModel):
-    """A request body: strings anywhere in it must be valid Unicode (400 otherwise)."""
+    """A request body: strings anywhere in it must be valid Unicode, and its nesting bounded
+    (400 otherwise)."""
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = lone_surrogate_at(data)
-        if where is not None:
-            where = where.encode("utf-8", "backslashreplace").decode()
-            raise ValueError(
-                f"{where or 'the body'} holds a lone UTF-16 surrogate (an escape such as "
-                "\\ud800 without its pair), which is not valid Unicode"
-            )
+    def _sound_json(cls, data: Any) -> Any:
+        problem = body_problem(data)
+        if problem is not None:
+            raise ValueError(problem)
         return data
 
 

@@ -69,7 +69,7 @@ def apply_chat_template(
             add_generation_prompt=add_generation_prompt,
             **dict(template_kwargs or {}),
         )
-    except (TemplateError, ValueError, TypeError, KeyError) as e:
+    except (TemplateError, ValueError, TypeError, KeyError, RecursionError) as e:
         raise ChatTemplateError(f"the chat template could not render these messages: {e}") from e
     return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -320,6 +320,19 @@ class TestClientMistakes:
         assert "surrogate" in error["message"]
         assert engine.requests == []
 
+    @pytest.mark.parametrize("depth", [40, 900])
+    async def test_deeply_nested_template_variables_are_400(self, tokenizer, depth):
+        nested = "[" * depth + "]" * depth
+        body = (
+            f'{{"model": "{BASE}", "messages": [{{"role": "user", "content": "a"}}], '
+            f'"chat_template_kwargs": {{"x": {nested}}}}}'
+        )
+        engine = FakeEngine(text_chunks("ok"))
+        async with make_client(engine, tokenizer) as client:
+            r = await client.post("/v1/chat/completions", content=body.encode(), headers=JSON)
+        assert "nested deeper" in assert_openai_error(r, 400)["message"]
+        assert engine.requests == []
+
     @pytest.mark.parametrize(
         ("seed", "status"), [(2**63 - 1, 200), (-(2**63), 200), (2**63, 400), (2**64, 400)]
     )
