@@ -216,8 +216,9 @@ def make_api(
 ) -> FastAPI:
     """The OpenAI-compatible app: /v1/completions, /v1/chat/completions, /v1/models, /health,
     and adapter management. `metrics` defaults to the Ray Serve metrics. The tokenizer's worker
-    thread stops when the app shuts down."""
-    service = OpenAIService(engine, TokenizerPool(tokenizer), settings, metrics or IngressMetrics())
+    threads stop when the app shuts down."""
+    metrics = metrics if metrics is not None else IngressMetrics()
+    service = OpenAIService(engine, TokenizerPool(tokenizer), settings, metrics)
     admin = AdapterAdmin(
         engine, service.registry, runtime_adapter_dirs=settings.runtime_adapter_dirs
     )
@@ -230,7 +231,6 @@ def make_api(
     api = FastAPI(
         title="lorafleet", summary="One base model, many LoRA adapters.", lifespan=lifespan
     )
-    metrics = service.metrics
 
     @api.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
