@@ -10,8 +10,9 @@ already holding the old key finish on it (`path` still finds it). `drop` forgets
 once no request refers to it; the manager calls it as soon as the last one ends. The key is the
 name itself unless an older version still in use holds it (then `name#2`, `name#3`, ...).
 
-Folders are checked cheaply here (config and files, `read_adapter_config`); a load's full check of
-the weights file (`check`) and the weights themselves are the manager's and the reader's.
+Folders are checked cheaply here (config and files, `read_adapter_config`), once a version; a
+load's full check of the weights file (`check`) and the weights themselves are the manager's and
+the reader's.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class AdapterRegistry:
         self._versions: dict[str, AdapterVersion] = {}  # key -> every version not dropped
         self.retired: set[str] = set()  # keys of versions unloaded but not dropped yet
         self.unloaded: set[str] = set()  # names unloaded and not registered again
+        self._checked: set[str] = set()  # keys whose folder passed the config check
         self._suffixes = itertools.count(2)
         for name, path in adapters.items():
             self._add(name, Path(path), "config", pinned=name in self._pinned_names)
@@ -72,17 +74,20 @@ class AdapterRegistry:
 
     def resolve(self, name: str) -> AdapterVersion:
         """The version new requests for `name` get, its folder checked cheaply (config and
-        files). Raises AdapterError: 404 for an unknown or unloaded name, 400 for unusable
-        files."""
+        files) the first time. Raises AdapterError: 404 for an unknown or unloaded name, 400
+        for unusable files."""
         version = self._live.get(name)
         if version is None and name not in self.unloaded and self._under_root(name):
             read_adapter_config(self.adapter_root / name, self.max_lora_rank)
             version = self._add(
                 name, self.adapter_root / name, "adapter_root", pinned=name in self._pinned_names
             )
+            self._checked.add(version.key)
         if version is None:
             raise AdapterError(f"the model {name!r} does not exist", status=404)
-        read_adapter_config(version.path, self.max_lora_rank)
+        if version.key not in self._checked:  # configured ones, on their first request
+            read_adapter_config(version.path, self.max_lora_rank)
+            self._checked.add(version.key)
         return version
 
     def register(
@@ -105,7 +110,9 @@ class AdapterRegistry:
         else:
             check(path)
         self.unloaded.discard(name)
-        return self._add(name, path, "runtime", pinned=pinned)
+        version = self._add(name, path, "runtime", pinned=pinned)
+        self._checked.add(version.key)
+        return version
 
     def unregister(self, name: str) -> AdapterVersion | None:
         """Free `name`: new requests get 404 from now on. Returns the version it retired (None
@@ -123,6 +130,7 @@ class AdapterRegistry:
         """Forget a retired version: no request refers to it any more."""
         if key in self.retired:
             self.retired.discard(key)
+            self._checked.discard(key)
             del self._versions[key]
 
     def unused_retired(self, in_use: set[str | None]) -> list[str]:
