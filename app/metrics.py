@@ -41,9 +41,7 @@ def _serve_metrics() -> ModuleType:
 
 
 class IngressMetrics:
-    def __init__(
-        self, backend: Any = None, *, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, backend: Any = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         m = backend if backend is not None else _serve_metrics()
         self.clock = clock
         self.requests = m.Counter(

@@ -82,11 +82,6 @@ _LOCK_MIN = 1 << 16  # int32 arrival counters allocated at first use, per device
 
 
 @triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
 def _segment_table(seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_S: tl.constexpr,
                    BLOCK_M: tl.constexpr):
     """Per segment [BLOCK_S]: start, end, slot, tiles and the inclusive prefix sum of tiles.
@@ -105,12 +100,12 @@ def _locate_item(i, starts, ends, slots, counts, counts_incl):
     """Item i among per-segment item counts (inclusive prefix sum `counts_incl`): its segment's
     first row, end row and slot, and the item's index within the segment."""
     owner = (counts_incl > i) & (counts_incl - counts <= i)  # one segment; empty ones never match
-    start, end, slot, before = tl.reduce(
-        (tl.where(owner, starts, 0), tl.where(owner, ends, 0), tl.where(owner, slots, 0),
-         tl.where(owner, counts_incl - counts, 0)),
-        0,
-        _add4,
-    )
+    # Four sums rather than one reduction over a tuple: the same shuffles compiled, and Triton's
+    # interpreter runs builtin sums in numpy but a custom combine element by element in Python.
+    start = tl.sum(tl.where(owner, starts, 0), axis=0)
+    end = tl.sum(tl.where(owner, ends, 0), axis=0)
+    slot = tl.sum(tl.where(owner, slots, 0), axis=0)
+    before = tl.sum(tl.where(owner, counts_incl - counts, 0), axis=0)
     return start, end, slot, i - before
 
 

@@ -9,6 +9,47 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter re-patches `triton.language` at every call of a nested @jit function
+    (an `inspect.getmembers` walk of the language modules, about 10 ms each: most of an SGMV
+    kernel's interpreted time), though the launch already patched the same modules and restores
+    them when it ends. Within a launch, patch each module's globals once. Semantics are
+    unchanged; on a Triton without these internals nothing is done."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    executor = getattr(interpreter, "GridExecutor", None)
+    patch = getattr(interpreter, "_patch_lang", None)
+    if executor is None or patch is None:
+        return
+    launch = executor.__call__
+    patched: set[int] | None = None  # ids of the globals patched in the running launch
+
+    def patch_once(fn):
+        if patched is not None and id(fn.__globals__) in patched:
+            return None  # a nested call: its caller discards the scope
+        scope = patch(fn)
+        if patched is not None:
+            patched.add(id(fn.__globals__))
+        return scope
+
+    def run_launch(self, *args, **kwargs):
+        nonlocal patched
+        outer, patched = patched, set()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched = outer
+
+    interpreter._patch_lang = patch_once
+    executor.__call__ = run_launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_language_once_per_launch()
+
 # Under pytest-xdist every worker is a process of its own: share the cores among them rather
 # than let each run torch's intra-op pool over all of them.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
