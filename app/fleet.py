@@ -20,10 +20,11 @@ in Ray's GCS store), which engine replicas that start later read, so runtime ada
 restarts and reach new replicas: a load once every replica took it, an unload before it is
 sent (and put back when no replica acted on it).
 
-Generation goes through the same handle under the caller's lease (`LeaseKeeper`): while this
-ingress has requests in flight, one broadcast per `RENEW_S` tells every engine replica that it
-is alive; when it dies, the renewals stop and the engines abort its requests within `LEASE_S`
-(see `replicas/leases.py`).
+Generation goes through the same handle under the caller's id (`caller_id`: this ingress's
+Ray actor id). No call renews anything: an engine replica asks Ray's GCS whether a caller whose
+requests it runs is still alive, and aborts them when it is dead (see `replicas/leases.py`). A
+renewal sent as a Serve call would queue behind the very requests it is meant to protect: at
+`max_ongoing_requests` it waits, lapses, and the live requests are aborted.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,8 +44,6 @@ if TYPE_CHECKING:
 # Time a broadcast may take beyond what the replicas are asked to bound themselves to.
 BROADCAST_GRACE_S = 2.0
 CONTROL_TIMEOUT_S = 30.0  # load/unload: the engine only checks the folder's config
-RENEW_S = 0.5  # how often an ingress with requests in flight renews its lease on the engines
-LEASE_S = 2.0  # how long a renewal lasts: several renewals, so one late renewal costs nothing
 
 logger = logging.getLogger("ray.serve")
 
@@ -101,51 +98,15 @@ class FleetClient(Protocol):
         ...
 
 
-class LeaseKeeper:
-    """This caller's lease on the engine replicas: `hold()` when a request is sent, `release()`
-    when its stream ends; while any is held, `renew(caller_id, lease_s)` runs every `renew_s`
-    (one call for all the requests in flight, none while idle). A request itself renews the
-    lease where it lands, so renewals start only `renew_s` after the first hold. `renew` must
-    not raise for long: a failed renewal is logged and the next one comes on time."""
+def caller_id() -> str | None:
+    """This process's Ray actor id (an ingress replica is an actor), which engine replicas check
+    for liveness; None outside an actor (no lease: the request runs until it ends)."""
+    try:
+        import ray
 
-    def __init__(
-        self,
-        renew: Callable[[str, float], Awaitable[object]],
-        *,
-        renew_s: float = RENEW_S,
-        lease_s: float = LEASE_S,
-        caller_id: str | None = None,
-    ) -> None:
-        self.caller_id = caller_id or uuid.uuid4().hex
-        self.renew_s = renew_s
-        self.lease_s = lease_s
-        self.num_renewals = 0
-        self._renew = renew
-        self._held = 0
-        self._task: asyncio.Task | None = None
-
-    @property
-    def num_held(self) -> int:
-        return self._held
-
-    def hold(self) -> None:
-        self._held += 1
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._keep())
-
-    def release(self) -> None:
-        self._held -= 1
-
-    async def _keep(self) -> None:
-        while self._held > 0:
-            await asyncio.sleep(self.renew_s)
-            if self._held == 0:
-                return
-            try:
-                await asyncio.wait_for(self._renew(self.caller_id, self.lease_s), self.renew_s)
-            except Exception as e:  # the next renewal comes on time
-                logger.warning("renewing the engine lease failed: %r", e)
-            self.num_renewals += 1
+        return ray.get_runtime_context().get_actor_id()
+    except Exception:  # no Ray here, or not connected
+        return None
 
 
 class ServeFleetClient:
@@ -153,7 +114,7 @@ class ServeFleetClient:
 
     def __init__(self, handle: DeploymentHandle, *, ledger: LedgerStore | None = None) -> None:
         self._handle = handle
-        self.lease = LeaseKeeper(self._renew_lease)
+        self.caller_id = caller_id()
         self._ledger = ledger
 
     @property
@@ -163,9 +124,6 @@ class ServeFleetClient:
 
             self._ledger = RayLedger(self._handle.app_name, self._handle.deployment_name)
         return self._ledger
-
-    async def _renew_lease(self, caller_id: str, lease_s: float) -> None:
-        await self._broadcast(self.lease.renew_s, "renew_lease", caller_id, lease_s)
 
     async def served_adapters(self) -> FleetView:
         answer = await self._handle.served_adapters.remote()

@@ -115,11 +115,10 @@ class ServeEngineClient(ServeFleetClient):
             ReplicaUnavailableError,
         )
 
-        # Under this ingress's lease: the engine aborts the request if this process dies.
+        # Under this ingress's id: the engine aborts the request if this process dies.
         response = self._handle.options(
             stream=True, multiplexed_model_id=request.adapter or ""
-        ).generate.remote(request, self.lease.caller_id, self.lease.lease_s)
-        self.lease.hold()
+        ).generate.remote(request, self.caller_id)
         finished = False
         try:
             async for chunk in response:
@@ -142,7 +141,6 @@ class ServeEngineClient(ServeFleetClient):
                 error=EngineError(message, 503, "ServiceUnavailableError"),
             )
         finally:
-            self.lease.release()
             if not finished:
                 response.cancel()  # the replica's generator is cancelled, which aborts the request
 

@@ -23,6 +23,11 @@ from replicas.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
 
+# A stream's chunks go out at most once per interval: COALESCE_PER_STREAM_S for each stream open
+# on this engine, up to COALESCE_MAX_S (256 streams: 64 ms, a few decode steps' tokens a chunk).
+COALESCE_PER_STREAM_S = 0.00025
+COALESCE_MAX_S = 0.1
+
 
 @dataclass
 class _Stream:
@@ -68,18 +73,32 @@ class AsyncEngine:
             self._streams[request.request_id] = stream
         self._post("add", request)
         finished = False
+        loop = stream.loop
+        sent_at = None  # when the last chunk went out; None before the first token
         try:
             while not finished:
                 chunk = await stream.queue.get()
+                if sent_at is not None and not chunk.finished:
+                    # Under load, a stream's tokens are held for a short interval that grows with
+                    # the streams open and sent as one chunk: every chunk costs a streaming item
+                    # here and in the caller, and this loop shares the GIL with the engine
+                    # thread. With few streams the interval is below a step: no wait.
+                    wait = sent_at + self._coalesce_interval() - loop.time()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
                 while not chunk.finished and not stream.queue.empty():
                     chunk = _merge(chunk, stream.queue.get_nowait())
                 finished = chunk.finished
+                sent_at = loop.time()
                 yield chunk
         finally:
             with self._lock:
                 self._streams.pop(request.request_id, None)
             if not finished:
                 self._post("abort", (request.request_id, None))
+
+    def _coalesce_interval(self) -> float:
+        return min(COALESCE_MAX_S, len(self._streams) * COALESCE_PER_STREAM_S)
 
     async def call(self, fn, *args):
         """Run `fn(engine, *args)` on the engine thread between steps; returns its result or
@@ -118,8 +137,7 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing the requests in flight")
                 self.last_error = e
                 outputs = self.engine.abort_all(f"internal engine error: {e}")
-            for output in outputs:
-                self._deliver(output)
+            self._deliver_all(outputs)
             if self.engine.stalled:  # only adapter reads are in flight: don't spin
                 self._wake.wait(timeout=0.001)
                 self._wake.clear()
@@ -182,22 +200,17 @@ class AsyncEngine:
         except ValueError as e:
             self._send(request.request_id, _error_chunk(request.request_id, str(e), 400))
 
-    def _deliver(self, output: RequestOutput) -> None:
-        error = None
-        if output.error is not None:
-            status = 500 if output.error.startswith("internal") else 400
-            error = EngineError(output.error, status, _error_type(status))
-        self._send(
-            output.request_id,
-            GenerateChunk(
-                output.request_id,
-                list(output.new_token_ids),
-                output.finish_reason,
-                output.num_prompt_tokens,
-                error,
-                output.metrics,
-            ),
-        )
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each caller loop in one callback: one wake-up of the loop
+        per step, not one per request."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:  # else the caller went away; its abort is on the way
+                    batches.setdefault(stream.loop, []).append((stream.queue, _chunk(output)))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _send(self, request_id: str, chunk: GenerateChunk) -> None:
         with self._lock:
@@ -205,6 +218,26 @@ class AsyncEngine:
         if stream is None:  # the caller went away; its abort is on the way
             return
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+
+
+def _chunk(output: RequestOutput) -> GenerateChunk:
+    error = None
+    if output.error is not None:
+        status = 500 if output.error.startswith("internal") else 400
+        error = EngineError(output.error, status, _error_type(status))
+    return GenerateChunk(
+        output.request_id,
+        list(output.new_token_ids),
+        output.finish_reason,
+        output.num_prompt_tokens,
+        error,
+        output.metrics,
+    )
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, GenerateChunk]]) -> None:
+    for q, chunk in batch:
+        q.put_nowait(chunk)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

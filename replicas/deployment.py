@@ -26,8 +26,8 @@ RESIDENCY_PERIOD_S = 0.1  # how often a replica checks whether its adapter resid
 WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LEDGER_SYNC_S = 5.0  # how often a replica catches up with the runtime adapter ledger
 LEDGER_NAMESPACE = "lorafleet"
-LEASE_S = 2.0  # a caller's lease when it names none (see replicas/leases.py)
-LEASE_SWEEP_S = 0.25  # how often a replica aborts the requests of callers whose lease lapsed
+LEASE_S = 1.0  # how long a caller counts as alive before it is asked after again
+LEASE_SWEEP_S = 0.25  # how often a replica looks for callers whose lease lapsed
 LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
@@ -48,6 +48,7 @@ class EngineDeployment:
         stats_period_s: float = STATS_PERIOD_S,
         clock: Callable[[], float] = time.monotonic,
         ledger: LedgerStore | None = None,
+        caller_alive: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         if prepare is not None:
             prepare()
@@ -56,6 +57,11 @@ class EngineDeployment:
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.set_slot_capacity(config.max_loras_per_batch)
         self.leases = CallerLeases(clock)
+        # Whether a caller (an ingress replica's actor id) is alive: asked only of callers whose
+        # lease lapsed, so a live ingress sends nothing to keep its requests.
+        self._caller_alive = caller_alive if caller_alive is not None else _gcs_liveness(
+            _serve_context()
+        )
         self.num_abandoned = 0  # requests aborted because their caller's lease lapsed
         self._serve = _serve_context()
         # Adapters loaded and unloaded at run time, kept by the fleet (replicas/adapter_ledger.py):
@@ -100,9 +106,9 @@ class EngineDeployment:
     async def generate(
         self, request: GenerateRequest, caller: str | None = None, lease_s: float = LEASE_S
     ) -> AsyncIterator[GenerateChunk]:
-        """Stream the request's chunks. `caller` (the sending ingress's id) puts the request
-        under that caller's lease, renewed for `lease_s` by this call and by `renew_lease`:
-        when it lapses, the request is aborted (`abort_abandoned`)."""
+        """Stream the request's chunks. `caller` (the sending ingress's Ray actor id) puts the
+        request under that caller's lease for `lease_s`; when it lapses, the caller is asked after
+        and, if dead, the request is aborted (`abort_abandoned`)."""
         if caller is not None:
             self.leases.track(request.request_id, caller, lease_s)
         try:
@@ -118,12 +124,18 @@ class EngineDeployment:
         self.leases.renew(caller, lease_s)
 
     async def abort_abandoned(self) -> None:
-        """Abort the requests whose caller's lease lapsed (every `LEASE_SWEEP_S` under Serve):
-        their callers are gone, so no one would close their streams."""
+        """Every `LEASE_SWEEP_S` under Serve: a caller whose lease lapsed is asked after (Ray's
+        GCS knows whether an actor is dead); alive, its lease is extended, dead, its requests
+        are aborted, since no one would close their streams. Without a liveness check (built
+        outside Serve), only `renew_lease` keeps a caller's requests."""
+        if self._caller_alive is not None:
+            for caller in self.leases.lapsed_callers():
+                if await self._caller_alive(caller):
+                    self.leases.renew(caller, LEASE_S)
         for request_id in self.leases.expired():
             self.num_abandoned += 1
-            logger.warning("aborting request %s: its caller stopped renewing its lease", request_id)
-            self.engine.abort(request_id, "the request's caller went away (its lease lapsed)")
+            logger.warning("aborting request %s: its caller is gone", request_id)
+            self.engine.abort(request_id, "the request's caller went away")
 
     async def info(self) -> dict:
         engine = self.engine.engine
@@ -452,6 +464,28 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except RayServeException:
         return "local"
+
+
+def _gcs_liveness(serve_context: Any) -> Callable[[str], Awaitable[bool]] | None:
+    """Under Serve, an async check that an actor is not dead, read from Ray's GCS in a thread;
+    None outside Serve."""
+    if serve_context is None:
+        return None
+
+    def alive(actor_id: str) -> bool:
+        from ray._private import state
+
+        try:
+            info = state.actors(actor_id=actor_id)
+        except Exception as e:  # unsure: keep the requests, ask again later
+            logger.warning("could not read the state of caller %s: %r", actor_id, e)
+            return True
+        return bool(info) and info.get("State") != "DEAD"
+
+    async def check(actor_id: str) -> bool:
+        return await asyncio.to_thread(alive, actor_id)
+
+    return check
 
 
 def _serve_context() -> Any:

@@ -4,13 +4,12 @@ is still there. Plain Python (no Ray, no torch); the clock is injected.
 A streamed request is a call from an ingress replica. When that process dies, nothing tells the
 engine: Ray Serve cancels a replica's generator only when the caller cancels its response, and a
 dead caller cancels nothing, so its requests would run to `max_tokens`, holding KV blocks and
-batch places. So each caller holds a lease on the replica: every request it sends renews it, and
-while it has requests in flight it renews it every interval in one call for all of them
-(`EngineDeployment.renew_lease`). A lease that runs out marks every request of that caller as
-abandoned; the replica aborts them.
-
-A caller that stalls for longer than its lease loses its requests too: the caller picks `ttl_s`,
-several renewal intervals long.
+batch places. So each caller holds a lease on the replica: every request it sends renews it.
+When a lease lapses the replica asks whether the caller is alive (Ray's GCS, see
+`EngineDeployment.abort_abandoned`) and renews it if so; otherwise every request of that caller
+is abandoned and the replica aborts them. The caller sends nothing to stay alive: a renewal sent
+as a Serve call would wait behind the requests it protects once the replica is at
+`max_ongoing_requests`, and lapse.
 """
 
 from __future__ import annotations
@@ -51,6 +50,11 @@ class CallerLeases:
             owned.discard(request_id)
             if not owned:
                 del self._requests[caller]
+
+    def lapsed_callers(self) -> list[str]:
+        """Callers whose lease has run out, still holding their requests (see `expired`)."""
+        now = self.clock()
+        return [caller for caller, until in self._until.items() if until <= now]
 
     def expired(self) -> list[str]:
         now = self.clock()

@@ -192,7 +192,7 @@ class TestCallerLeases:
         await deployment.abort_abandoned()
         chunks = [chunk async for chunk in orphan]
         assert chunks[-1].finish_reason == "error" and chunks[-1].error.status == 503
-        assert "lease" in chunks[-1].error.message
+        assert "caller went away" in chunks[-1].error.message
         stats = await deployment.stats()
         assert stats["num_running"] == 1  # the live caller's request goes on
         assert stats["num_abandoned"] == stats["num_aborted"] == 1
@@ -201,6 +201,34 @@ class TestCallerLeases:
         assert stats["num_aborted"] == 2 and stats["num_abandoned"] == 1
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
         assert stats["num_held_slots"] == 0 and deployment.leases.num_tracked == 0
+
+    async def test_a_live_caller_keeps_its_requests_without_sending_anything(self, long_replica):
+        """Under load a renewal call would queue behind the caller's own requests: liveness is
+        asked of the cluster instead, only for callers whose lease lapsed."""
+        deployment, clock = long_replica
+        asked: list[str] = []
+
+        async def alive(caller: str) -> bool:
+            asked.append(caller)
+            return caller == "live-ingress"
+
+        deployment._caller_alive = alive
+        kept = deployment.generate(long_request("kept"), "live-ingress", 1.0)
+        orphan = deployment.generate(long_request("orphan"), "dead-ingress", 1.0)
+        assert (await anext(kept)).finish_reason is None
+        assert (await anext(orphan)).finish_reason is None
+        await deployment.abort_abandoned()
+        assert asked == []  # no lease lapsed yet: no one is asked
+        for _ in range(3):  # several lapses; the live caller never renews by itself
+            clock.now += 1.5
+            await deployment.abort_abandoned()
+        assert asked.count("dead-ingress") == 1 and asked.count("live-ingress") == 3
+        chunks = [chunk async for chunk in orphan]
+        assert chunks[-1].finish_reason == "error" and chunks[-1].error.status == 503
+        stats = await deployment.stats()
+        assert stats["num_running"] == 1 and stats["num_abandoned"] == 1
+        await kept.aclose()
+        assert (await idle(deployment))["num_aborted"] == 2
 
     async def test_requests_without_a_caller_are_never_abandoned(self, long_replica):
         deployment, clock = long_replica

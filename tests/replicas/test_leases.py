@@ -1,11 +1,7 @@
-"""Caller leases (replicas/leases.py) on an injected clock, and the ingress side that renews
-them (app/fleet.py: LeaseKeeper) with a fake renewal call."""
+"""Caller leases (replicas/leases.py) on an injected clock."""
 
 from __future__ import annotations
 
-import asyncio
-
-from app.fleet import LeaseKeeper
 from replicas.leases import CallerLeases
 
 
@@ -76,45 +72,13 @@ class TestCallerLeases:
         assert leases.expired() == []
         assert leases.owner("new") == "ingress"
 
-
-class TestLeaseKeeper:
-    async def test_renews_only_while_requests_are_in_flight(self):
-        calls: list[tuple[str, float]] = []
-
-        async def renew(caller_id: str, lease_s: float) -> None:
-            calls.append((caller_id, lease_s))
-
-        keeper = LeaseKeeper(renew, renew_s=0.01, lease_s=0.05, caller_id="me")
-        keeper.hold()
-        keeper.hold()
-        await asyncio.sleep(0.1)
-        assert len(calls) >= 3 and set(calls) == {("me", 0.05)}
-        keeper.release()
-        await asyncio.sleep(0.03)
-        assert len(calls) >= 5  # one request still holds the lease
-        keeper.release()
-        await asyncio.sleep(0.03)
-        idle = len(calls)
-        await asyncio.sleep(0.05)
-        assert len(calls) == idle  # idle: no renewals
-        keeper.hold()
-        await asyncio.sleep(0.05)
-        assert len(calls) > idle  # renewing again
-        keeper.release()
-
-    async def test_a_failing_or_hanging_renewal_does_not_stop_the_next(self):
-        attempts = 0
-
-        async def renew(caller_id: str, lease_s: float) -> None:
-            nonlocal attempts
-            attempts += 1
-            if attempts == 1:
-                raise RuntimeError("engine unreachable")
-            if attempts == 2:
-                await asyncio.sleep(10)  # cut off after renew_s
-
-        keeper = LeaseKeeper(renew, renew_s=0.01)
-        keeper.hold()
-        await asyncio.sleep(0.12)
-        keeper.release()
-        assert attempts >= 4
+    def test_lapsed_callers_keep_their_requests_until_expired(self):
+        clock = FakeClock()
+        leases = CallerLeases(clock)
+        leases.track("r1", "a", 1.0)
+        leases.track("r2", "b", 3.0)
+        clock.now += 2.0
+        assert leases.lapsed_callers() == ["a"]
+        assert leases.owner("r1") == "a"  # asked after, not yet abandoned
+        leases.renew("a", 1.0)  # found alive
+        assert leases.lapsed_callers() == [] and leases.expired() == []
