@@ -93,7 +93,8 @@ class AppArgs(BaseModel):
     num_ingress_replicas: int = Field(
         default=1,
         ge=1,
-        description="HTTP ingress replicas (CPU: validation, chat templates, tokenization).",
+        description="HTTP ingress replicas (CPU: validation, chat templates, tokenization, "
+        "streaming). One streams about 1,500 tokens/s: on GPUs, 2-4 per engine replica.",
     )
     max_loras_per_batch: int = Field(
         default=8, ge=1, description="GPU adapter slots per engine replica."

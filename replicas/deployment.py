@@ -59,8 +59,8 @@ class EngineDeployment:
         self.leases = CallerLeases(clock)
         # Whether a caller (an ingress replica's actor id) is alive: asked only of callers whose
         # lease lapsed, so a live ingress sends nothing to keep its requests.
-        self._caller_alive = caller_alive if caller_alive is not None else _gcs_liveness(
-            _serve_context()
+        self._caller_alive = (
+            caller_alive if caller_alive is not None else _gcs_liveness(_serve_context())
         )
         self.num_abandoned = 0  # requests aborted because their caller's lease lapsed
         self._serve = _serve_context()
@@ -467,10 +467,12 @@ def _replica_id() -> str:
 
 
 def _gcs_liveness(serve_context: Any) -> Callable[[str], Awaitable[bool]] | None:
-    """Under Serve, an async check that an actor is not dead, read from Ray's GCS in a thread;
-    None outside Serve."""
+    """Under Serve, an async check that an actor is not dead, read from Ray's GCS in a thread
+    (one at a time: the GCS accessor is shared); None outside Serve. Only a "DEAD" state counts:
+    an actor the table does not show, or a failed read, keeps its requests until asked again."""
     if serve_context is None:
         return None
+    lock = asyncio.Lock()
 
     def alive(actor_id: str) -> bool:
         from ray._private import state
@@ -480,10 +482,11 @@ def _gcs_liveness(serve_context: Any) -> Callable[[str], Awaitable[bool]] | None
         except Exception as e:  # unsure: keep the requests, ask again later
             logger.warning("could not read the state of caller %s: %r", actor_id, e)
             return True
-        return bool(info) and info.get("State") != "DEAD"
+        return not info or info.get("State") != "DEAD"
 
     async def check(actor_id: str) -> bool:
-        return await asyncio.to_thread(alive, actor_id)
+        async with lock:
+            return await asyncio.to_thread(alive, actor_id)
 
     return check
 
