@@ -501,6 +501,7 @@ def main(argv: list[str] | None = None) -> Path:
     meta["digests"] = {kind: workload_digest(w.measured) for kind, w in works.items()}
     rows: list[dict] = []
     path = None
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:
         for setup in args.setups:
             for row in run_setup(
@@ -526,12 +527,12 @@ def run_setup(
     metrics_url: str,
 ) -> Iterator[dict[str, Any]]:
     """Deploy the app under `setup`, run each popularity's workload on it (each after its own
-    warm-up), yield a row per run, and shut Serve down."""
+    warm-up), yield a row per run, and delete the app (Serve's controller and proxy stay up for
+    the next setup; the replicas are gone before the next deploy)."""
     from ray import serve
 
     app_name = f"router-{setup.name.replace('+', '-')}"
     t0 = time.monotonic()
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:
         serve.run(build_application(application_args, setup), name=app_name, route_prefix="/")
         wait_healthy(url)
@@ -547,7 +548,7 @@ def run_setup(
                 "run_s": time.monotonic() - started,
             }
     finally:
-        serve.shutdown()
+        serve.delete(app_name)
 
 
 if __name__ == "__main__":
