@@ -115,3 +115,25 @@ def adapter_logits(engine: Engine, adapter: str, tokens: list[int]) -> torch.Ten
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(tokens, device=dev), torch.arange(n, device=dev), ctx)
         return runner.model.logits(hidden)
+
+
+def write_adapters(model_dir, root, specs: dict[str, dict], first_seed: int) -> dict:
+    """PEFT adapters for `model_dir` under `root`, one per `specs` entry (make_adapter's
+    arguments), seeded from `first_seed` in order: name -> folder."""
+    from tests.factories import make_adapter
+
+    return {
+        name: make_adapter(model_dir, root / name, seed=first_seed + i, **kw)
+        for i, (name, kw) in enumerate(specs.items())
+    }
+
+
+def peft_greedy_table(model_dir, adapters: dict, prompts, max_tokens: int) -> dict:
+    """(adapter name or None, prompt index) -> PEFT's greedy tokens, one model load each."""
+    from tests.factories import hf_greedy_many
+
+    out = {}
+    for name, path in [(None, None), *adapters.items()]:
+        for i, tokens in enumerate(hf_greedy_many(model_dir, prompts, max_tokens, path)):
+            out[name, i] = tokens
+    return out

@@ -16,8 +16,7 @@ import pytest
 from replicas.adapters.modes import LOADING_MODES
 from replicas.engine import RequestRejected
 from replicas.request import Request
-from tests.factories import hf_greedy_many, make_adapter
-from tests.replicas.conftest import greedy, make_engine
+from tests.replicas.conftest import greedy, make_engine, peft_greedy_table, write_adapters
 
 NUM_REQUESTS = 30
 MAX_TOKENS = 8  # references are this long; a request asks for 1..MAX_TOKENS
@@ -48,21 +47,13 @@ ADAPTERS = {
 
 @pytest.fixture(scope="module")
 def folders(models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("random")
-    return {
-        name: make_adapter(models["llama"], root / name, seed=40 + i, **kw)
-        for i, (name, kw) in enumerate(ADAPTERS.items())
-    }
+    return write_adapters(models["llama"], tmp_path_factory.mktemp("random"), ADAPTERS, 40)
 
 
 @pytest.fixture(scope="module")
 def expected(models, folders):
     """(adapter folder key or None, prompt index) -> PEFT's first MAX_TOKENS greedy tokens."""
-    out = {}
-    for key, path in [(None, None), *folders.items()]:
-        for i, tokens in enumerate(hf_greedy_many(models["llama"], PROMPTS, MAX_TOKENS, path)):
-            out[key, i] = tokens
-    return out
+    return peft_greedy_table(models["llama"], folders, PROMPTS, MAX_TOKENS)
 
 
 def assert_blocks_accounted(engine) -> None:

@@ -7,8 +7,13 @@ import pytest
 
 from replicas.adapters.modes import LOADING_MODES
 from replicas.request import Request
-from tests.factories import hf_greedy_many, make_adapter
-from tests.replicas.conftest import greedy, make_engine, run_to_completion
+from tests.replicas.conftest import (
+    greedy,
+    make_engine,
+    peft_greedy_table,
+    run_to_completion,
+    write_adapters,
+)
 
 PROMPTS = [[5, 17, 200, 33, 98, 4], [61, 150, 7, 12, 250, 3, 44, 9]]
 MAX_TOKENS = 6
@@ -39,21 +44,13 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def adapters(models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("evict")
-    return {
-        name: make_adapter(models["llama"], root / name, seed=20 + i, **kw)
-        for i, (name, kw) in enumerate(SPECS.items())
-    }
+    return write_adapters(models["llama"], tmp_path_factory.mktemp("evict"), SPECS, 20)
 
 
 @pytest.fixture(scope="module")
 def expected(models, adapters):
     """(adapter or None, prompt index) -> PEFT's greedy tokens."""
-    out = {}
-    for name, path in [(None, None), *adapters.items()]:
-        for i, tokens in enumerate(hf_greedy_many(models["llama"], PROMPTS, MAX_TOKENS, path)):
-            out[name, i] = tokens
-    return out
+    return peft_greedy_table(models["llama"], adapters, PROMPTS, MAX_TOKENS)
 
 
 def run_and_check(engine, work: list[tuple[str | None, int]], expected, tag: str) -> None:
