@@ -16,6 +16,7 @@ import pytest
 from replicas.adapters.modes import LOADING_MODES
 from replicas.engine import RequestRejected
 from replicas.request import Request
+from tests.factories import LORA_MODULES
 from tests.replicas.conftest import greedy, make_engine, peft_greedy_table, write_adapters
 
 NUM_REQUESTS = 30
@@ -30,15 +31,7 @@ ADAPTERS = {
     "all-r8": dict(
         rank=8,
         lora_alpha=16,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=LORA_MODULES,
         use_rslora=True,
     ),
     "mlp-r4": dict(rank=4, lora_alpha=4, target_modules=["gate_proj", "down_proj"]),

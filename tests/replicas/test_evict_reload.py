@@ -7,6 +7,7 @@ import pytest
 
 from replicas.adapters.modes import LOADING_MODES
 from replicas.request import Request
+from tests.factories import LORA_MODULES
 from tests.replicas.conftest import (
     greedy,
     make_engine,
@@ -24,15 +25,7 @@ SPECS = {
     "all-r8": dict(
         rank=8,
         lora_alpha=16,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=LORA_MODULES,
     ),
     "mlp-r6": dict(rank=6, lora_alpha=12, target_modules=["gate_proj", "up_proj", "down_proj"]),
     "qv-r2": dict(rank=2, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
