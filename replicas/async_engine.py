@@ -86,7 +86,9 @@ class AsyncEngine:
                     wait = sent_at + self._coalesce_interval() - loop.time()
                     if wait > 0:
                         await asyncio.sleep(wait)
-                while not chunk.finished and not stream.queue.empty():
+                # The first chunk goes out alone, at once: what a client times as its first
+                # token is the engine's. Later ones take whatever else is already queued.
+                while sent_at is not None and not chunk.finished and not stream.queue.empty():
                     chunk = _merge(chunk, stream.queue.get_nowait())
                 finished = chunk.finished
                 sent_at = loop.time()
