@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import socket
 import sys
 import tempfile
@@ -439,6 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU, tiny model, 2 replicas, few adapters and requests: checks the code",
     )
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the results' command line
     for key, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -464,22 +466,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> Path:
+    """Start a local Ray cluster and Serve, run the comparison on them (`run`), shut both down."""
     import ray
     from ray import serve
 
     args = parse_args(argv)
-    started = time.monotonic()
     # The results name the device through torch, which opens a CUDA context in this process:
     # open it before any replica sizes its KV cache, so that every deployment sees the same.
     device_name()
-    meta: dict[str, Any] = {}
-    model_config = TINY if args.smoke else LLAMA3_8B
-    root = Path(args.work_dir or tempfile.mkdtemp(prefix="router-serve-"))
-    model_dir = write_model(root, model_config)
-    names = adapter_names(args.num_adapters)
-    fleet = write_fleet(root, ModelSpec.from_dir(model_dir), names, args.rank)
-    print(f"model and {len(fleet)} adapters written to {root}", flush=True)
-
     metrics_port = free_port()
     num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     ray.init(
@@ -489,31 +483,48 @@ def main(argv: list[str] | None = None) -> Path:
         _metrics_export_port=metrics_port,
         _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
     )
-    url = f"http://127.0.0.1:{args.port}"
-    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    try:
+        url = f"http://127.0.0.1:{args.port}"
+        return run(args, url, f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run(args: argparse.Namespace, url: str, metrics_url: str) -> Path:
+    """Every setup of `args` (from `parse_args`) on a Ray cluster where Serve is already up:
+    its proxy at `url`, Ray's metrics export at `metrics_url`, the cluster started with
+    `metrics_report_interval_ms` = METRICS_REPORT_INTERVAL_MS. Each setup's app is deleted after
+    its runs; the cluster and Serve are left as they were. Returns the results' markdown path."""
+    started = time.monotonic()
+    meta: dict[str, Any] = {
+        "command": "python -m benchmarks.bench_router_serve " + shlex.join(args.argv)
+    }
+    model_config = TINY if args.smoke else LLAMA3_8B
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="router-serve-"))
+    model_dir = write_model(root, model_config)
+    names = adapter_names(args.num_adapters)
+    fleet = write_fleet(root, ModelSpec.from_dir(model_dir), names, args.rank)
+    print(f"model and {len(fleet)} adapters written to {root}", flush=True)
     meta.update(
         replicas=args.replicas,
         engine_device=args.device,
         model=("tiny " if args.smoke else "Llama-3-8B-shaped ") + "(load_format dummy)",
-        args={k: str(v) for k, v in vars(args).items() if k != "setups"},
+        args={k: str(v) for k, v in vars(args).items() if k not in ("setups", "argv")},
     )
     works = {kind: workloads(args, names, kind) for kind in args.popularity.split(",")}
     meta["digests"] = {kind: workload_digest(w.measured) for kind, w in works.items()}
     rows: list[dict] = []
     path = None
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    try:
-        for setup in args.setups:
-            for row in run_setup(
-                args, setup, works, app_args(args, setup, model_dir, fleet), url, metrics_url
-            ):
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                meta["elapsed_s"] = time.monotonic() - started
-                path = save(args, rows, meta)  # after every run: a cut-off run keeps its rows
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    for setup in args.setups:
+        for row in run_setup(
+            args, setup, works, app_args(args, setup, model_dir, fleet), url, metrics_url
+        ):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            meta["elapsed_s"] = time.monotonic() - started
+            path = save(args, rows, meta)  # after every run: a cut-off run keeps its rows
     print(f"done in {time.monotonic() - started:.0f} s: {path}", flush=True)
     return path
 

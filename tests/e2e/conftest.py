@@ -18,14 +18,25 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def serve_cluster():
-    """`{"url": ...}` of Serve's HTTP proxy on a fresh local cluster (CPU only)."""
+    """`{"url": ..., "metrics_url": ...}`: Serve's HTTP proxy and Ray's metrics export on a
+    fresh local cluster (CPU only), metrics reported as often as the router benchmark needs."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    port = _free_port()
+    from benchmarks.bench_router_serve import METRICS_REPORT_INTERVAL_MS
+
+    port, metrics_port = _free_port(), _free_port()
     # Logical CPUs: the largest module deploys five replicas of one CPU each.
-    ray.init(num_cpus=6, include_dashboard=False, ignore_reinit_error=True)
+    ray.init(
+        num_cpus=6,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield {"url": f"http://127.0.0.1:{port}"}
+    yield {
+        "url": f"http://127.0.0.1:{port}",
+        "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+    }
     serve.shutdown()
     ray.shutdown()

@@ -40,8 +40,10 @@ def step(seqs):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests replay the real graphs")
 def test_the_padded_graph_step_gives_the_eager_steps_rows(tmp_path):
+    # One layer: the padding under test is the step's metadata, the same for every layer (each
+    # layer costs about 20 s in Triton's interpreter).
     model_dir = make_model(tmp_path / "m", hidden_size=64, intermediate_size=96, num_heads=4,
-                           num_kv_heads=2)
+                           num_kv_heads=2, num_layers=1)
     spec = ModelSpec.from_dir(model_dir)
     config = EngineConfig(
         model=str(model_dir), device="cpu", num_kv_blocks=32, block_size=BS, max_lora_rank=8,
@@ -90,8 +92,10 @@ def test_the_padded_graph_step_gives_the_eager_steps_rows(tmp_path):
 
 
 def test_warm_up_skips_graph_sizes_but_covers_both_specializations_above(tmp_path):
+    # One layer: the padding under test is the step's metadata, the same for every layer (each
+    # layer costs about 20 s in Triton's interpreter).
     model_dir = make_model(tmp_path / "m", hidden_size=64, intermediate_size=96, num_heads=4,
-                           num_kv_heads=2)
+                           num_kv_heads=2, num_layers=1)
     spec = ModelSpec.from_dir(model_dir)
     runner = ModelRunner(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=32,
                                       block_size=BS), spec, 64)
