@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from replicas.adapters.host_cache import HostCache
 from replicas.adapters.policy import READ_WORKERS, CopyBudget, ReadTurns
-from replicas.adapters.prefetcher import PrefetchQueue, SlotView
+from replicas.adapters.prefetcher import HINT_TTL_S, PrefetchQueue, prefetch_round  # noqa: F401
 from replicas.adapters.slot_pool import SlotPool
 from replicas.engine_stats import RoutingStats
 from replicas.kv_cache import BlockAllocator
@@ -33,9 +33,6 @@ from replicas.request import Request, RequestStatus, SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig
 from sim.calibration import Calibration
 from sim.events import EventLoop
-
-# replicas/adapters/manager.py HINT_TTL_S (that module imports torch; tests/sim checks they agree)
-HINT_TTL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -147,28 +144,13 @@ class SimAdapters:
             self._collect(adapter)
         if not self.prefetch:
             return
-        now = self.loop.now()
-        self.queue.expire(before=now - HINT_TTL_S)
-        for adapter, due in waiting:
-            self.queue.hint(adapter, due)
-        for adapter, _ in self.queue.ordered()[: self.host.capacity]:
-            known = adapter in self.slots or adapter in self.host
-            if not known and not self._start_read(adapter):
-                break
-        view = SlotView(
-            free=self.slots.num_free,
-            resident=tuple(self.slots.resident),
-            evictable=frozenset(self.slots.evictable()),
-        )
-        for load in self.queue.plan(view, self.slots.num_slots, loadable=self.host.__contains__):
-            nbytes = self.host.peek(load.adapter).nbytes
-            if not self.budget.may_queue(self._bytes_to_land(self._stream_free), nbytes):
-                break
-            if load.evict is not None:
-                self.slots.remove(load.evict)
-            self.host.get(load.adapter)
-            self._load(load.adapter)
-            self.prefetch_loads += 1
+        self.prefetch_loads += prefetch_round(
+            self.queue, self.slots, self.host, self.budget, waiting, self.loop.now(),
+            known=lambda a: a in self.slots or a in self.host,
+            start_read=self._start_read,
+            queued_bytes=lambda: self._bytes_to_land(self._stream_free),
+            load=lambda adapter, _entry: self._load(adapter),
+        )  # fmt: skip
 
     def reads_finished(self) -> bool:
         """A read is done and not collected (`AdapterReader.finished`)."""

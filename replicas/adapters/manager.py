@@ -36,7 +36,7 @@ from replicas.adapters.host_cache import HostCache
 from replicas.adapters.loader import AdapterError, AdapterWeights, check_adapter_files
 from replicas.adapters.modes import loading_mode
 from replicas.adapters.policy import READ_WORKERS, CopyBudget, ReadTurns
-from replicas.adapters.prefetcher import PrefetchQueue, SlotView
+from replicas.adapters.prefetcher import HINT_TTL_S, PrefetchQueue, prefetch_round  # noqa: F401
 from replicas.adapters.reader import AdapterReader, WeightsFromDisk
 from replicas.adapters.registry import AdapterRegistry, ServedAdapters
 from replicas.adapters.slot_pool import SlotPool
@@ -44,8 +44,6 @@ from replicas.adapters.stats import AdapterStats
 from replicas.adapters.uploader import SlotWeights, Uploader
 from replicas.models.spec import ModelSpec
 from replicas.scheduler import AdapterLoadError
-
-HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it was due is dropped
 
 Need = tuple[str, float]  # (adapter, when it is needed: time.monotonic seconds)
 
@@ -221,27 +219,14 @@ class AdapterManager:
         self.reader.collect_all()
         if not self.mode.prefetch:
             return
-        now = time.monotonic() if now is None else now
-        self.queue.expire(before=now - HINT_TTL_S)
-        for adapter, due in waiting:
-            self.queue.hint(adapter, due)
-        for adapter, _ in self.queue.ordered()[: self.host.capacity]:
-            known = adapter in self.slots or adapter in self.host or self.reader.failed(adapter)
-            if not known and not self._start_read(adapter):
-                break  # no turn free: the later needs wait behind this one
-        view = SlotView(
-            free=self.slots.num_free,
-            resident=tuple(self.slots.resident),
-            evictable=frozenset(self.slots.evictable()),
-        )
-        for load in self.queue.plan(view, self.slots.num_slots, loadable=self.host.__contains__):
-            nbytes = self.host.peek(load.adapter).nbytes
-            if not self.budget.may_queue(self.uploader.queued_bytes(), nbytes):
-                break  # the load stream is full for now; a need seen later must not queue behind
-            if load.evict is not None:
-                self.slots.remove(load.evict)
-            self._load(load.adapter, self.host.get(load.adapter))
-            self.stats.prefetch_loads += 1
+        self.stats.prefetch_loads += prefetch_round(
+            self.queue, self.slots, self.host, self.budget, waiting,
+            time.monotonic() if now is None else now,
+            known=lambda a: a in self.slots or a in self.host or self.reader.failed(a),
+            start_read=self._start_read,
+            queued_bytes=self.uploader.queued_bytes,
+            load=self._load,
+        )  # fmt: skip
 
     # -- the engine's step ----------------------------------------------------------------------
 

@@ -12,8 +12,11 @@ one being served, so a prefetch never evicts an adapter needed sooner than the o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+HINT_TTL_S = 30.0  # a hint whose request has not shown up this long after it was due is dropped
 
 
 @dataclass(frozen=True)
@@ -97,3 +100,54 @@ class PrefetchQueue:
             victim = victims.pop(0)
             loads.append(Load(adapter, victim))
         return loads
+
+
+class _Slots(Protocol):
+    num_slots: int
+    num_free: int
+    resident: Any
+
+    def evictable(self) -> Iterable[str]: ...
+
+    def remove(self, adapter: str) -> Any: ...
+
+
+def prefetch_round(
+    queue: PrefetchQueue,
+    slots: _Slots,
+    host: Any,
+    budget: Any,
+    waiting: Iterable[tuple[str, float]],
+    now: float,
+    *,
+    known: Callable[[str], bool],
+    start_read: Callable[[str], bool],
+    queued_bytes: Callable[[], float],
+    load: Callable[[str, Any], None],
+) -> int:
+    """One prefetch round, the adapter manager's and the fleet simulator's alike: drop hints
+    overdue by HINT_TTL_S, queue the waiting requests' needs, start disk reads for the soonest
+    needs not `known` (in a slot or in `host` memory, or not to be read) until `start_read`
+    finds no turn free, then start the GPU loads of host entries that `budget` (a CopyBudget)
+    lets queue behind `queued_bytes()`, evicting as `plan` says. `load(adapter, entry)` starts
+    one load of the entry taken from `host`. Returns how many loads it started."""
+    queue.expire(before=now - HINT_TTL_S)
+    for adapter, due in waiting:
+        queue.hint(adapter, due)
+    for adapter, _ in queue.ordered()[: host.capacity]:
+        if not known(adapter) and not start_read(adapter):
+            break  # no turn free: the later needs wait behind this one
+    view = SlotView(
+        free=slots.num_free,
+        resident=tuple(slots.resident),
+        evictable=frozenset(slots.evictable()),
+    )
+    started = 0
+    for planned in queue.plan(view, slots.num_slots, loadable=host.__contains__):
+        if not budget.may_queue(queued_bytes(), host.peek(planned.adapter).nbytes):
+            break  # the load stream is full for now; a need seen later must not queue behind
+        if planned.evict is not None:
+            slots.remove(planned.evict)
+        load(planned.adapter, host.get(planned.adapter))
+        started += 1
+    return started
