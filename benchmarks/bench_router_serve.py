@@ -391,6 +391,31 @@ SMOKE = dict(
 )  # fmt: skip
 
 
+def add_run_options(
+    ap: argparse.ArgumentParser, results_prefix: str, run_timeout_s: float, smoke: str
+) -> None:
+    """The options every serving benchmark takes: Serve's port, the run's timeout and seed,
+    where results and the written model go, and `--smoke` (`smoke`: what it runs)."""
+    ap.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1")
+    ap.add_argument(
+        "--run-timeout",
+        type=float,
+        default=run_timeout_s,
+        help="seconds one measured run may last",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--name", default=None, help=f"results file: {results_prefix}_<name>.{{md,json}}"
+    )
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument(
+        "--work-dir",
+        default=None,
+        help="where the model and adapters are written (default: a temporary folder)",
+    )
+    ap.add_argument("--smoke", action="store_true", help=f"{smoke}: checks the code")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -422,22 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1")
-    ap.add_argument(
-        "--run-timeout", type=float, default=600.0, help="seconds one measured run may last"
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default=None, help="results file: router_serve_<name>.{md,json}")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument(
-        "--work-dir",
-        default=None,
-        help="where the model and adapters are written (default: a temporary folder)",
-    )
-    ap.add_argument(
-        "--smoke",
-        action="store_true",
-        help="CPU, tiny model, 2 replicas, few adapters and requests: checks the code",
+    add_run_options(
+        ap, "router_serve", 600.0, "CPU, tiny model, 2 replicas, few adapters and requests"
     )
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the results' command line

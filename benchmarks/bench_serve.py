@@ -69,7 +69,7 @@ import yaml
 
 from app.config import AppArgs
 from benchmarks.bench_churn import write_fleet
-from benchmarks.bench_router_serve import adapter_names, write_model
+from benchmarks.bench_router_serve import adapter_names, add_run_options, write_model
 from benchmarks.common import device_name
 from benchmarks.loadgen import RequestSpec, summarize
 from benchmarks.loadgen.workload import workload_digest
@@ -185,23 +185,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="an AppArgs field (the YAML's args:), e.g. --set max_num_seqs=256",
     )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1")
-    ap.add_argument(
-        "--run-timeout", type=float, default=900.0, help="seconds one measured run may last"
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default=None, help="results file: bench_serve_<name>.{md,json}")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument(
-        "--work-dir",
-        default=None,
-        help="where the model and adapters are written (default: a temporary folder)",
-    )
-    ap.add_argument(
-        "--smoke",
-        action="store_true",
-        help="CPU, tiny model, a handful of requests: checks the code",
-    )
+    add_run_options(ap, "bench_serve", 900.0, "CPU, tiny model, a handful of requests")
     args = ap.parse_args(argv)  # fmt: skip
     wl = (SMOKE if args.smoke else WORKLOADS)[args.workload]
     if args.num_requests is not None:
