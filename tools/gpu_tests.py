@@ -2,10 +2,11 @@
 
     python -m tools.gpu_tests --commit <sha> [--out benchmarks/results] [pytest args...]
 
-Runs `pytest tests/gpu` (or the paths given) without pytest-xdist, then writes `gpu_tests.md` and
-`gpu_tests.json` under `--out`: the date, the commit, the device, and passed / failed / skipped
-for every test. The exit status is pytest's. `--commit` names the tree the tests ran on (a GPU
-machine may get the working tree without its git history).
+Runs every GPU-marked test (`pytest tests/gpu tests/kernels -m gpu`, or the arguments given)
+without pytest-xdist, then writes `gpu_tests.md` and `gpu_tests.json` under `--out`: the date,
+the commit, the device, and passed / failed / skipped for every test. The exit status is
+pytest's. `--commit` names the tree the tests ran on (a GPU machine may get the working tree
+without its git history).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+DEFAULT_ARGS = ["tests/gpu", "tests/kernels", "-m", "gpu"]
 
 
 def outcomes(junit_xml: Path) -> list[dict[str, str]]:
@@ -88,7 +91,7 @@ def main() -> int:
             "-o",
             "junit_family=xunit1",  # each case names its file
             f"--junitxml={junit}",
-            *(pytest_args or ["tests/gpu"]),
+            *(pytest_args or DEFAULT_ARGS),
         ]
         rc = subprocess.call(command)
         if not junit.exists():

@@ -73,10 +73,17 @@ def counted_loop(model_dir: str, adapters: tuple[tuple[str, str], ...], mode: st
     for request in requests[:3]:
         engine.add_request(request)
     arrivals = requests[3:]  # one arrives during each of the next steps
+    in_flight_steps = 0  # steps that ran while a copy into a slot was still on the load stream
 
     def on_idle():
+        # Runs while the device computes the step. `queued_bytes` queries events, never waits.
+        nonlocal in_flight_steps
+        if not on_idle.done:
+            in_flight_steps += engine.adapters.uploader.queued_bytes() > 0
         if arrivals and not on_idle.done:
             engine.add_request(arrivals.pop(0))
+            if len(arrivals) > 1:  # the router's hint: the one after next is coming
+                engine.prefetch_hint(arrivals[1].adapter)
             on_idle.done = True
 
     sampled_steps = steps = 0
@@ -122,6 +129,8 @@ def counted_loop(model_dir: str, adapters: tuple[tuple[str, str], ...], mode: st
         disk_reads=stats.disk_reads,
         gpu_loads=stats.gpu_loads,
         gated_steps=sum(t.gated for t in engine.step_timings(first_step)),
+        in_flight_steps=in_flight_steps,
+        prefetch_loads=stats.prefetch_loads,
         tokens=[len(r.output_token_ids) for r in requests],
     )
 
@@ -156,4 +165,7 @@ def test_steps_during_loads_wait_only_for_their_tokens(tmp_path, mode):
     # some into slots another adapter left, and steps waited (on the device) for their copies.
     assert counts["disk_reads"] == NUM_ADAPTERS and counts["gpu_loads"] > SLOTS, counts
     assert counts["gated_steps"] > 0, counts
+    assert counts["in_flight_steps"] > 0, counts
+    if mode == "prefetch":  # the prefetcher, not admission, started some of those copies
+        assert counts["prefetch_loads"] > 0, counts
     assert counts["tokens"] == [MAX_TOKENS] * len(LENGTHS)
