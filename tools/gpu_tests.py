@@ -48,6 +48,13 @@ def test_path(classname: str, file: str | None) -> str:
     return f"{file}::{inner.replace('.', '::')}" if inner else file
 
 
+def with_default_paths(pytest_args: list[str]) -> list[str]:
+    """`pytest_args`, after the default paths and marker when it names no test path."""
+    if any(Path(arg.split("::")[0]).exists() for arg in pytest_args):
+        return pytest_args
+    return [*DEFAULT_ARGS, *pytest_args]
+
+
 def device_name() -> str:
     import torch
 
@@ -91,7 +98,7 @@ def main() -> int:
             "-o",
             "junit_family=xunit1",  # each case names its file
             f"--junitxml={junit}",
-            *(pytest_args or DEFAULT_ARGS),
+            *with_default_paths(pytest_args),
         ]
         rc = subprocess.call(command)
         if not junit.exists():

@@ -76,6 +76,11 @@ class Uploader:
         self._last_use: dict[int, torch.cuda.Event] = {}
         self._inline_loads = False  # a blocking copy was enqueued since `new_step`
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The load stream (None on CPU)."""
+        return self._stream
+
     def upload(self, slot: int, weights: AdapterWeights) -> None:
         """Copy `weights` into `slot`, which no running request holds."""
         self._pending.pop(slot, None)

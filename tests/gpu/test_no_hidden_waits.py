@@ -5,7 +5,10 @@ callbacks, `tests/gpu/host_waits.py`), blocking copies (sync debug mode "error")
 allocator's synchronizing frees.
 
 No adapter is in a slot or in host memory when the counted loop starts: their disk reads, host
--> GPU copies and prefetches all happen while steps run, and requests arrive mid-step too. A
+-> GPU copies and prefetches all happen while steps run, and requests arrive mid-step too. Each
+copy is held back on the load stream for about a millisecond, so steps are enqueued and run with
+copies still in flight (counted, and asserted), and in prefetch mode the prefetcher starts some
+of them, from the waiting requests and from a hint of the next arrival. A
 base-model request decodes throughout, so every step samples (a step that samples nothing has
 no readback, and its successor may wait on a fence instead: `HostStaging.reset`). The blocking
 loading mode is left out: it reads and copies on the step thread by design.
@@ -32,6 +35,7 @@ NUM_ADAPTERS = 6
 SLOTS = 4  # fewer than the adapters: slots are reused during the loop
 LENGTHS = [40, 130, 9, 75, 150, 22, 60, 100]  # prompts of the counted requests; 64-token steps
 MAX_TOKENS = 8
+COPY_DELAY_CYCLES = 2_000_000  # about 1 ms of the load stream's time before each copy
 
 
 def counted_loop(model_dir: str, adapters: tuple[tuple[str, str], ...], mode: str) -> dict:
@@ -73,13 +77,26 @@ def counted_loop(model_dir: str, adapters: tuple[tuple[str, str], ...], mode: st
     for request in requests[:3]:
         engine.add_request(request)
     arrivals = requests[3:]  # one arrives during each of the next steps
+
+    # This model's adapters copy in microseconds: each copy first holds the load stream for
+    # COPY_DELAY_CYCLES, so it is still in flight while later steps are enqueued and run.
+    uploader = engine.adapters.uploader
+    upload = uploader.upload
+
+    def slow_upload(slot, weights):
+        with torch.cuda.stream(uploader.stream):
+            torch.cuda._sleep(COPY_DELAY_CYCLES)
+        upload(slot, weights)
+
+    uploader.upload = slow_upload
     in_flight_steps = 0  # steps that ran while a copy into a slot was still on the load stream
 
     def on_idle():
         # Runs while the device computes the step. `queued_bytes` queries events, never waits.
         nonlocal in_flight_steps
-        if not on_idle.done:
-            in_flight_steps += engine.adapters.uploader.queued_bytes() > 0
+        if not on_idle.counted:
+            in_flight_steps += uploader.queued_bytes() > 0
+            on_idle.counted = True
         if arrivals and not on_idle.done:
             engine.add_request(arrivals.pop(0))
             if len(arrivals) > 1:  # the router's hint: the one after next is coming
@@ -103,7 +120,7 @@ def counted_loop(model_dir: str, adapters: tuple[tuple[str, str], ...], mode: st
             while arrivals or not all(r.is_finished for r in requests):
                 if keeper.is_finished:
                     break  # the keeper ran out: steps would stop sampling (asserted below)
-                on_idle.done = False
+                on_idle.done = on_idle.counted = False
                 outputs = engine.step(on_idle=on_idle)
                 steps += 1
                 sampled_steps += any(o.new_token_ids for o in outputs)

@@ -2,7 +2,7 @@
 
 import json
 
-from tools.gpu_tests import outcomes, write
+from tools.gpu_tests import DEFAULT_ARGS, outcomes, with_default_paths, write
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="3">
@@ -41,3 +41,9 @@ def test_a_case_in_a_test_class_is_named_by_its_file_and_class(tmp_path):
         'file="tests/kernels/test_sgmv.py" line="3" time="0.5"/></testsuite></testsuites>'
     )
     assert outcomes(report)[0]["test"] == "tests/kernels/test_sgmv.py::TestOnGpu::test_x[b1]"
+
+
+def test_flags_alone_run_the_default_paths_and_paths_replace_them():
+    assert with_default_paths(["-q", "-x"]) == [*DEFAULT_ARGS, "-q", "-x"]
+    named = ["tests/gpu/test_staging.py::test_copies_on_a_side_stream_are_fenced_too", "-q"]
+    assert with_default_paths(named) == named
