@@ -117,6 +117,10 @@ def test_fp32_greedy_equals_peft_over_many_adapters(served, steps):
         max_num_batched_tokens=64,
         max_loras_per_batch=len(ADAPTERS),  # every adapter fits: all of them decode together
         max_lora_rank=64,
+        # Reads on the step thread: every adapter is in its slot when its request is first
+        # scheduled, so base and adapter rows decode together however fast the disk is (with
+        # background reads the base requests could finish before the adapters arrive).
+        adapter_loading="blocking",
         adapters=tuple((name, str(path)) for name, path in served.adapters.items()),
         **steps,
     )

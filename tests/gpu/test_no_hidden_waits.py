@@ -98,10 +98,14 @@ def counted_loop(model_dir: str, adapters: tuple[tuple[str, str], ...], mode: st
             in_flight_steps += uploader.queued_bytes() > 0
             on_idle.counted = True
         if arrivals and not on_idle.done:
+            if not on_idle.hinted:  # the router's hints: every arrival is coming, in order
+                for i, request in enumerate(arrivals[1:], 1):
+                    engine.prefetch_hint(request.adapter, eta_s=0.002 * i)
+                on_idle.hinted = True
             engine.add_request(arrivals.pop(0))
-            if len(arrivals) > 1:  # the router's hint: the one after next is coming
-                engine.prefetch_hint(arrivals[1].adapter)
             on_idle.done = True
+
+    on_idle.hinted = False
 
     sampled_steps = steps = 0
     first_step = engine.num_steps
