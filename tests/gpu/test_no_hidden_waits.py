@@ -6,9 +6,9 @@ allocator's synchronizing frees.
 
 No adapter is in a slot or in host memory when the counted loop starts: their disk reads, host
 -> GPU copies and prefetches all happen while steps run, and requests arrive mid-step too. Each
-copy is held back on the load stream for about a millisecond, so steps are enqueued and run with
+copy is held back on the load stream for about 10 ms, so steps are enqueued and run with
 copies still in flight (counted, and asserted), and in prefetch mode the prefetcher starts some
-of them, from the waiting requests and from a hint of the next arrival. A
+of them, from the waiting requests and from hints of the coming arrivals. A
 base-model request decodes throughout, so every step samples (a step that samples nothing has
 no readback, and its successor may wait on a fence instead: `HostStaging.reset`). The blocking
 loading mode is left out: it reads and copies on the step thread by design.
@@ -35,7 +35,7 @@ NUM_ADAPTERS = 6
 SLOTS = 4  # fewer than the adapters: slots are reused during the loop
 LENGTHS = [40, 130, 9, 75, 150, 22, 60, 100]  # prompts of the counted requests; 64-token steps
 MAX_TOKENS = 8
-COPY_DELAY_CYCLES = 2_000_000  # about 1 ms of the load stream's time before each copy
+COPY_DELAY_CYCLES = 20_000_000  # about 10 ms of the load stream, longer than a step's launches
 
 
 def counted_loop(model_dir: str, adapters: tuple[tuple[str, str], ...], mode: str) -> dict:
