@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 # Time a broadcast may take beyond what the replicas are asked to bound themselves to.
 BROADCAST_GRACE_S = 2.0
 CONTROL_TIMEOUT_S = 30.0  # load/unload: the engine only checks the folder's config
+REPLICA_FAILED = "the engine replica failed or is unavailable"
+REPLICA_TIMED_OUT = "the engine replicas did not answer in time"
 
 logger = logging.getLogger("ray.serve")
 
@@ -68,6 +70,17 @@ class ReplicaReply:
 
     @property
     def reason(self) -> str:
+        """What a client may read of the failure: an engine refusal's own message (it carries a
+        `status`), else a fixed text. Ray's errors name actors, process ids, hosts and classes:
+        those stay in `detail`, for the log."""
+        if self.status is not None:
+            return self.detail
+        if isinstance(self.error, TimeoutError):
+            return REPLICA_TIMED_OUT
+        return REPLICA_FAILED
+
+    @property
+    def detail(self) -> str:
         """The error's own message (a replica's exception arrives wrapped in Ray's
         RayTaskError, whose text is the whole remote traceback)."""
         error = getattr(self.error, "cause", None) or self.error

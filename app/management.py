@@ -109,7 +109,7 @@ class AdapterAdmin:
                 "undoing the partial load of adapter %s failed on %d replica(s): %s",
                 name,
                 len(stuck),
-                stuck[0].reason,
+                stuck[0].detail,
             )
 
     async def unload(self, body: UnloadLoraAdapterRequest) -> str:
@@ -215,6 +215,7 @@ class AdapterAdmin:
 
 def _replica_state(reply: ReplicaReply) -> ReplicaState:
     if not reply.ok:
+        logger.warning("engine replica %s did not report: %s", reply.replica_id, reply.detail)
         return ReplicaState(replica_id=reply.replica_id, available=False, error=reply.reason)
     if reply.value.get("adapters") is None:
         error = reply.value.get("error") or "no answer from its engine"
@@ -225,6 +226,8 @@ def _replica_state(reply: ReplicaReply) -> ReplicaState:
 def _fleet_error(what: str, replies: list[ReplicaReply], failed: list[ReplicaReply]) -> APIError:
     """One error for a broadcast that failed on some replicas: the replicas' own status when they
     all refused alike (400 bad adapter or name in use, 404), else 503."""
+    logger.warning("%s on %d of %d engine replica(s): %s", what, len(failed), len(replies),
+                   failed[0].detail)  # fmt: skip
     statuses = {r.status for r in failed}
     status = statuses.pop() if len(statuses) == 1 and None not in statuses else 503
     message = f"{what} on {len(failed)} of {len(replies)} engine replica(s): {failed[0].reason}"

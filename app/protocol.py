@@ -145,7 +145,10 @@ def _is_unicode(text: str) -> bool:
 
 class RequestBody(BaseModel):
     """A request body: strings anywhere in it must be valid Unicode, and its nesting bounded
-    (400 otherwise)."""
+    (400 otherwise). Its values must have the types its schema declares, as OpenAI's API wants:
+    no coercion (`"5"` or `true` is not an integer, `1` is not a boolean)."""
+
+    model_config = ConfigDict(strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -157,6 +160,8 @@ class RequestBody(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -299,7 +304,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
@@ -314,7 +319,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

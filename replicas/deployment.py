@@ -26,7 +26,9 @@ RESIDENCY_PERIOD_S = 0.1  # how often a replica checks whether its adapter resid
 WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LEDGER_SYNC_S = 5.0  # how often a replica catches up with the runtime adapter ledger
 LEDGER_NAMESPACE = "lorafleet"
-LEASE_S = 1.0  # how long a caller counts as alive before it is asked after again
+# How long a caller counts as alive before it is asked after again: a dead caller's requests
+# are aborted within LEASE_S + LEASE_SWEEP_S of its death (plus the GCS's own notice, ~20 ms).
+LEASE_S = 0.5
 LEASE_SWEEP_S = 0.25  # how often a replica looks for callers whose lease lapsed
 LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
@@ -63,6 +65,7 @@ class EngineDeployment:
             caller_alive if caller_alive is not None else _gcs_liveness(_serve_context())
         )
         self.num_abandoned = 0  # requests aborted because their caller's lease lapsed
+        self.abandoned_at: float | None = None  # wall clock (time.time) of the last of them
         self._serve = _serve_context()
         # Adapters loaded and unloaded at run time, kept by the fleet (replicas/adapter_ledger.py):
         # caught up with before the engine starts, then every LEDGER_SYNC_S.
@@ -134,6 +137,7 @@ class EngineDeployment:
                     self.leases.renew(caller, LEASE_S)
         for request_id in self.leases.expired():
             self.num_abandoned += 1
+            self.abandoned_at = time.time()
             logger.warning("aborting request %s: its caller is gone", request_id)
             self.engine.abort(request_id, "the request's caller went away")
 
@@ -148,10 +152,12 @@ class EngineDeployment:
     async def stats(self) -> dict:
         """The engine's `EngineStats`, plus `num_held_slots` (GPU slots held by requests),
         `num_aborted` (live requests aborted: the caller closed the stream, or went away) and
-        `num_abandoned` (those whose caller's lease lapsed)."""
+        `num_abandoned` (those whose caller's lease lapsed; `abandoned_at` the wall-clock time
+        of the last)."""
         stats = await self.engine.call(_engine_stats)
         stats["num_aborted"] = self.engine.num_aborted
         stats["num_abandoned"] = self.num_abandoned
+        stats["abandoned_at"] = self.abandoned_at
         return stats
 
     async def replica_stats(self) -> dict:

@@ -52,9 +52,10 @@ class CallerLeases:
                 del self._requests[caller]
 
     def lapsed_callers(self) -> list[str]:
-        """Callers whose lease has run out, still holding their requests (see `expired`)."""
+        """Callers whose lease has run out and that own running requests, which they still
+        hold until `expired`. A lapsed caller that owns none is not worth asking after."""
         now = self.clock()
-        return [caller for caller, until in self._until.items() if until <= now]
+        return [c for c, until in self._until.items() if until <= now and c in self._requests]
 
     def expired(self) -> list[str]:
         now = self.clock()

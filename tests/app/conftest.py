@@ -28,6 +28,12 @@ BASE = "tiny-base"
 MAX_MODEL_LEN = 64
 VOCAB_SIZE = 259
 
+# What Ray says of a dead replica: it names the actor, its class, process and host.
+ACTOR_DIED = (
+    "The actor died unexpectedly before finishing this task. class_name: EngineDeployment "
+    "actor_id: 5e1f0c3a9d1b2c pid: 4242 ip: 10.0.0.7"
+)
+
 
 @dataclass
 class FakeReplica:
@@ -138,7 +144,7 @@ class FakeEngine:
         replies = []
         for r in self.replicas:
             if r.down:
-                replies.append(ReplicaReply(error=RuntimeError("The actor died unexpectedly")))
+                replies.append(ReplicaReply(error=RuntimeError(ACTOR_DIED)))
             elif r.slow:
                 answer = {"replica_id": r.replica_id, "adapters": None, "error": "too slow"}
                 replies.append(ReplicaReply(r.replica_id, answer))
@@ -183,7 +189,7 @@ class FakeEngine:
 
 def _call(replica: FakeReplica, method, *args) -> ReplicaReply:
     if replica.down:
-        return ReplicaReply(error=RuntimeError("The actor died unexpectedly"))
+        return ReplicaReply(error=RuntimeError(ACTOR_DIED))
     try:
         return ReplicaReply(value=method(*args))
     except RequestRejected as e:

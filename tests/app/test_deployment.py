@@ -4,6 +4,7 @@ recording backend, and the control-plane methods the ingress broadcasts."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -102,6 +103,7 @@ class TestMetrics:
             "num_finished",
             "num_aborted",
             "num_abandoned",
+            "abandoned_at",
             "num_held_slots",
         }
         assert isinstance(stats["adapter_read_seconds"], list)
@@ -196,6 +198,7 @@ class TestCallerLeases:
         stats = await deployment.stats()
         assert stats["num_running"] == 1  # the live caller's request goes on
         assert stats["num_abandoned"] == stats["num_aborted"] == 1
+        assert abs(stats["abandoned_at"] - time.time()) < 60  # the wall clock, for benchmarks
         await kept.aclose()  # its caller hangs up: aborted too, and counted
         stats = await idle(deployment)
         assert stats["num_aborted"] == 2 and stats["num_abandoned"] == 1

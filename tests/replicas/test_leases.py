@@ -82,3 +82,14 @@ class TestCallerLeases:
         assert leases.owner("r1") == "a"  # asked after, not yet abandoned
         leases.renew("a", 1.0)  # found alive
         assert leases.lapsed_callers() == [] and leases.expired() == []
+
+    def test_only_lapsed_callers_that_own_requests_are_asked_after(self):
+        clock = FakeClock()
+        leases = CallerLeases(clock)
+        leases.track("r1", "busy", 1.0)
+        leases.track("r2", "idle", 1.0)
+        leases.release("r2")
+        clock.now += 1.0
+        assert leases.lapsed_callers() == ["busy"]
+        assert leases.expired() == ["r1"]  # and the idle caller's lease is forgotten
+        assert leases.lapsed_callers() == []
