@@ -139,8 +139,25 @@ class ServeFleetClient:
         return self._ledger
 
     async def served_adapters(self) -> FleetView:
+        """The fleet's word on adapters changed at run time, from the ledger (every replica
+        converges on it; any one replica may be behind a change another ingress made), with an
+        engine replica's view beneath it (configured and adapter_root names, and its word when
+        the ledger cannot be read)."""
         answer = await self._handle.served_adapters.remote()
-        return FleetView(dict(answer["adapters"]), frozenset(answer["unloaded"]))
+        adapters, unloaded = dict(answer["adapters"]), set(answer["unloaded"])
+        try:
+            entries = await asyncio.to_thread(self.ledger.read_all)
+        except Exception as e:
+            logger.warning("could not read the adapter ledger: %r", e)
+            entries = {}
+        for name, entry in entries.items():
+            if entry.unloaded:
+                adapters.pop(name, None)
+                unloaded.add(name)
+            else:
+                adapters[name] = entry.path
+                unloaded.discard(name)
+        return FleetView(adapters, frozenset(unloaded))
 
     async def broadcast_load_adapter(
         self, name: str, path: str, pinned: bool, load_id: str
@@ -158,32 +175,26 @@ class ServeFleetClient:
     ) -> list[ReplicaReply]:
         if load_id is not None:  # undoing a partial load: it was never recorded
             return await self._broadcast(CONTROL_TIMEOUT_S, "unload_adapter", name, load_id)
-        version = time.time_ns()
-        previous = await self._record(AdapterEntry(name, None, version))
-        replies = await self._broadcast(CONTROL_TIMEOUT_S, "unload_adapter", name, None, version)
+        tombstone = AdapterEntry(name, None, time.time_ns())
+        await self._record(tombstone)
+        replies = await self._broadcast(
+            CONTROL_TIMEOUT_S, "unload_adapter", name, None, tombstone.version
+        )
         if not any(r.ok for r in replies):  # nothing was unloaded: the ledger's word stands
-            await self._restore(name, previous)
+            try:
+                await asyncio.to_thread(self.ledger.retract, tombstone)
+            except Exception:
+                logger.exception("could not take back the unload of %s in the ledger", name)
         return replies
 
-    async def _record(self, entry: AdapterEntry) -> AdapterEntry | None:
-        """Write `entry` to the ledger; returns the entry it replaced. A ledger that fails is
-        logged: the change holds on the running replicas, not on those that start later."""
+    async def _record(self, entry: AdapterEntry) -> None:
+        """Add `entry` to the ledger (hidden there if a newer change of its name is in: the
+        replicas ignore it too). A ledger that fails is logged: the change holds on the running
+        replicas, not on those that start later."""
         try:
-            previous = (await asyncio.to_thread(self.ledger.read_all)).get(entry.name)
             await asyncio.to_thread(self.ledger.write, entry)
         except Exception:
             logger.exception("could not record adapter %s in the ledger", entry.name)
-            return None
-        return previous
-
-    async def _restore(self, name: str, previous: AdapterEntry | None) -> None:
-        try:
-            if previous is None:
-                await asyncio.to_thread(self.ledger.delete, name)
-            else:
-                await asyncio.to_thread(self.ledger.write, previous)
-        except Exception:
-            logger.exception("could not restore adapter %s in the ledger", name)
 
     async def adapter_reports(self, timeout_s: float) -> list[ReplicaReply]:
         replies = await self._broadcast(timeout_s + BROADCAST_GRACE_S, "adapter_report", timeout_s)

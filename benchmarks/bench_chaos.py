@@ -66,6 +66,7 @@ class Outcome:
     ended: float
     model: str
     long: bool = False
+    detail: str = ""  # the start of an error answer's body
 
     @property
     def ok(self) -> bool:
@@ -76,6 +77,7 @@ class Outcome:
 class ChaosLog:
     outcomes: list[Outcome] = field(default_factory=list)
     churn: Counter = field(default_factory=Counter)  # "load:200", "unload:503", ...
+    churn_errors: list[tuple[str, float, str]] = field(default_factory=list)  # 5xx: kind, t, body
     kills: dict[str, float] = field(default_factory=dict)  # what -> when (monotonic)
     whole_again: dict[str, float] = field(default_factory=dict)  # what -> when fleet recovered
     samples: list[tuple[float, int, bool]] = field(default_factory=list)  # (t, engines, http up)
@@ -134,15 +136,15 @@ async def one_request(
     }
     started = time.monotonic()
 
-    def outcome(kind: str) -> Outcome:
-        return Outcome(kind, started, time.monotonic(), model, long)
+    def outcome(kind: str, detail: str = "") -> Outcome:
+        return Outcome(kind, started, time.monotonic(), model, long, detail)
 
     try:
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
-                    return outcome(f"status:{r.status_code}")
+                    return outcome(f"status:{r.status_code}", r.text[:200])
                 chunks, finish, error, done = 0, None, None, False
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
@@ -196,6 +198,9 @@ async def churn_loop(url: str, plan: ChaosPlan, rng: random.Random, stop_at: flo
                 try:
                     r = await client.post(f"/v1/{route}_lora_adapter", json=body)
                     log.churn[f"{route}:{r.status_code}"] += 1
+                    if r.status_code >= 500:
+                        kind = f"{route}:{r.status_code}"
+                        log.churn_errors.append((kind, time.monotonic(), r.text[:200]))
                 except httpx.HTTPError as e:
                     log.churn[f"{route}:{type(e).__name__}"] += 1
                 await asyncio.sleep(rng.uniform(0.05, 0.3))
@@ -401,6 +406,11 @@ def summarize(
         for o in log.outcomes
         if o.kind == "cut" or o.kind.startswith("transport:")
     ]
+    server_errors = [
+        {"kind": o.kind, "at_s": o.ended - t0, "body": o.detail}
+        for o in log.outcomes
+        if o.kind.startswith("status:5")
+    ] + [{"kind": kind, "at_s": t - t0, "body": body} for kind, t, body in log.churn_errors]
     return {
         "duration_s": plan.duration_s,
         "requests": len(log.outcomes),
@@ -420,6 +430,8 @@ def summarize(
         "ingress_killed_s": None if ingress_killed is None else ingress_killed - t0,
         # Streams cut without [DONE]: those the dead ingress was sending when it died.
         "unclean": unclean,
+        # Every 5xx, when and what it said: which fault each came from.
+        "server_errors": server_errors,
         "problems": problems,
     }
 

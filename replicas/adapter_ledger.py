@@ -52,30 +52,52 @@ class AdapterEntry:
 
 
 class LedgerStore(Protocol):
-    """One entry per adapter name. Calls block (a network store): run them off the event loop.
-    `read_all` skips entries it cannot parse."""
+    """Entries by name and version; `read_all` gives each name's newest, skipping entries it
+    cannot parse. Several ingress replicas write at once, so an entry is never overwritten: a
+    write adds one (an older one written late stays hidden behind the newer), and `retract`
+    takes back one entry (the name's previous newest shows again). Calls block (a network
+    store): run them off the event loop."""
 
     def read_all(self) -> dict[str, AdapterEntry]: ...
 
     def write(self, entry: AdapterEntry) -> None: ...
 
-    def delete(self, name: str) -> None: ...
+    def retract(self, entry: AdapterEntry) -> None: ...
+
+
+ENTRIES_KEPT = 3  # versions kept per name: a retraction falls back to the one before
+
+
+def newest(entries: list[AdapterEntry]) -> dict[str, AdapterEntry]:
+    """Each name's newest entry."""
+    out: dict[str, AdapterEntry] = {}
+    for entry in entries:
+        if entry.name not in out or entry.version > out[entry.name].version:
+            out[entry.name] = entry
+    return out
 
 
 class MemoryLedger:
     """A `LedgerStore` in this process's memory."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, AdapterEntry] = {}
+        self._versions: dict[str, dict[int, AdapterEntry]] = {}
+
+    @property
+    def entries(self) -> dict[str, AdapterEntry]:
+        return self.read_all()
 
     def read_all(self) -> dict[str, AdapterEntry]:
-        return dict(self.entries)
+        return newest([e for versions in self._versions.values() for e in versions.values()])
 
     def write(self, entry: AdapterEntry) -> None:
-        self.entries[entry.name] = entry
+        versions = self._versions.setdefault(entry.name, {})
+        versions[entry.version] = entry
+        for version in sorted(versions)[:-ENTRIES_KEPT]:
+            del versions[version]
 
-    def delete(self, name: str) -> None:
-        self.entries.pop(name, None)
+    def retract(self, entry: AdapterEntry) -> None:
+        self._versions.get(entry.name, {}).pop(entry.version, None)
 
 
 @dataclass(frozen=True)
@@ -130,6 +152,13 @@ class LoadMismatch(LookupError):
     status = 404
 
 
+class Superseded(LookupError):
+    """An unload older than the last change applied to its name here: as of its version, the
+    name was not loaded here."""
+
+    status = 404
+
+
 class LedgerFollower:
     """One replica's side of the ledger: the loads and unloads it is told of (broadcasts), and
     `follow(entries)` to catch up with the store. Every method calls the engine, so all run on
@@ -154,6 +183,10 @@ class LedgerFollower:
         load_id: str | None = None,
         version: int | None = None,
     ) -> None:
+        """A load older than the last change applied to `name` here (an unload broadcast by
+        another ingress, which started later but came first) is done: it was undone."""
+        if version is not None and version < self.applied.get(name, 0):
+            return
         engine.load_adapter(name, path, pinned)
         self._loaded(name, load_id, version)
 
@@ -165,15 +198,23 @@ class LedgerFollower:
         version: int | None = None,
     ) -> None:
         """With `load_id`: only when that load registered `name` here (else LoadMismatch). A
-        `version` already applied here (the replica caught up with the store first) is done."""
-        if version is not None and self.applied.get(name) == version:
-            return
+        `version` already applied here (the replica caught up with the store first) is done;
+        one older than the last change applied here is Superseded. An unload of a name not
+        served here still counts as its version's change: a load broadcast earlier that
+        arrives later must not bring the name back."""
+        if version is not None:
+            if self.applied.get(name) == version:
+                return
+            if version < self.applied.get(name, 0):
+                raise Superseded(f"The lora adapter '{name}' cannot be found.")
         if load_id is not None and self.load_ids.get(name) != load_id:
             raise LoadMismatch(f"adapter {name!r} was not loaded by load {load_id}")
-        engine.unload_adapter(name)
+        try:
+            engine.unload_adapter(name)
+        finally:
+            if version is not None:
+                self.applied[name] = max(version, self.applied.get(name, 0))
         self.load_ids.pop(name, None)
-        if version is not None:
-            self.applied[name] = max(version, self.applied.get(name, 0))
 
     def follow(self, engine: AdapterEngine, entries: dict[str, AdapterEntry]) -> list[str]:
         """Apply the entries newer than what this replica applied; returns the names changed

@@ -11,7 +11,15 @@ from typing import Any
 
 from ray import serve
 
-from replicas.adapter_ledger import AdapterEntry, LedgerFollower, LedgerStore, LoadMismatch
+from replicas.adapter_ledger import (
+    ENTRIES_KEPT,
+    AdapterEntry,
+    LedgerFollower,
+    LedgerStore,
+    LoadMismatch,
+    Superseded,
+    newest,
+)
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine import Engine, RequestRejected
@@ -193,7 +201,7 @@ class EngineDeployment:
         the ledger succeeds."""
         try:
             await self.engine.call(self.follower.unload, name, load_id, version)
-        except LoadMismatch as e:
+        except (LoadMismatch, Superseded) as e:
             raise RequestRejected(str(e), 404) from e
 
     async def sync_adapters(self) -> list[str]:
@@ -415,38 +423,53 @@ class EngineMetrics:
 
 class RayLedger:
     """The adapter ledger (`LedgerStore`) in Ray's GCS key-value store, which outlives every
-    replica: one key per adapter name under `adapters::<app>::<deployment>::`. Calls block."""
+    replica: one key per entry, `adapters::<app>::<deployment>::<name>@<version>`, never
+    overwritten (the GCS store has no compare-and-set; distinct keys need none). Calls block."""
 
     def __init__(self, app_name: str, deployment_name: str) -> None:
         self.prefix = f"adapters::{app_name}::{deployment_name}::"
 
+    def _key(self, name: str, version: int) -> str:
+        return f"{self.prefix}{name}@{version:020d}"
+
     def read_all(self) -> dict[str, AdapterEntry]:
         from ray.experimental import internal_kv
 
-        entries: dict[str, AdapterEntry] = {}
+        entries: list[AdapterEntry] = []
         for key in internal_kv._internal_kv_list(self.prefix, namespace=LEDGER_NAMESPACE):
             value = internal_kv._internal_kv_get(key, namespace=LEDGER_NAMESPACE)
             if value is None:  # deleted since listed
                 continue
             try:
-                entry = AdapterEntry.from_json(value)
+                entries.append(AdapterEntry.from_json(value))
             except (ValueError, TypeError) as e:
                 logger.warning("skipping an unreadable ledger entry %r: %s", key, e)
-                continue
-            entries[entry.name] = entry
-        return entries
+        return newest(entries)
 
     def write(self, entry: AdapterEntry) -> None:
         from ray.experimental import internal_kv
 
-        internal_kv._internal_kv_put(
-            self.prefix + entry.name, entry.to_json(), overwrite=True, namespace=LEDGER_NAMESPACE
-        )
+        key = self._key(entry.name, entry.version)
+        value = entry.to_json()
+        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=LEDGER_NAMESPACE)
+        # Keep the name's newest few. Its own keys: a longer name listed under the same prefix
+        # ("x@y" under "x@") leaves a tail that is not all digits.
+        own = f"{self.prefix}{entry.name}@"
+        keys = []
+        for listed in internal_kv._internal_kv_list(own, namespace=LEDGER_NAMESPACE):
+            listed = listed.decode() if isinstance(listed, bytes) else listed
+            tail = listed[len(own) :]
+            if tail.isdigit():
+                keys.append((int(tail), listed))
+        for _, stale in sorted(keys)[:-ENTRIES_KEPT]:
+            internal_kv._internal_kv_del(stale, namespace=LEDGER_NAMESPACE)
 
-    def delete(self, name: str) -> None:
+    def retract(self, entry: AdapterEntry) -> None:
         from ray.experimental import internal_kv
 
-        internal_kv._internal_kv_del(self.prefix + name, namespace=LEDGER_NAMESPACE)
+        internal_kv._internal_kv_del(
+            self._key(entry.name, entry.version), namespace=LEDGER_NAMESPACE
+        )
 
 
 def _fleet_ledger(serve_context: Any) -> RayLedger | None:

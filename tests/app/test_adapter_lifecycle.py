@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.adapters import FleetView
-from app.fleet import ReplicaReply
+from app.fleet import ReplicaReply, ServeFleetClient
+from replicas.adapter_ledger import MemoryLedger
 from replicas.config import EngineConfig
 from replicas.deployment import EngineDeployment, EngineMetrics
 from replicas.protocol import GenerateChunk, GenerateRequest
@@ -276,3 +277,126 @@ async def test_an_adapter_that_does_not_fit_the_model_is_400_at_load(app, files,
     assert AT_ENGINE[kind] in error["message"] and "2 of 2" in error["message"], error
     assert_openai_error(await complete(client, "x"), 404)
     await assert_converged(client, fleet, backends, {})
+
+
+class ReplicasHandle:
+    """A deployment handle over in-process replicas: `broadcast` calls each one concurrently,
+    as Serve does, for `ServeFleetClient`."""
+
+    def __init__(self, replicas: list[EngineDeployment]) -> None:
+        self.replicas = replicas
+        self.turn = itertools.count()
+
+    def __getattr__(self, method: str):  # handle.<method>.remote(): one replica, round robin
+        replicas = self.replicas
+
+        class Method:
+            def remote(self, *args):
+                replica = replicas[next(handle.turn) % len(replicas)]
+                return getattr(replica, method)(*args)
+
+        handle = self
+        return Method()
+
+    def broadcast(self, method: str, *args):
+        calls = [getattr(replica, method)(*args) for replica in self.replicas]
+
+        class Results:
+            async def results_async(self, timeout_s: float, return_exceptions: bool):
+                return await asyncio.gather(*calls, return_exceptions=return_exceptions)
+
+        return Results()
+
+
+class ServedFleet(LocalFleet):
+    """`LocalFleet` whose control plane is the app's own `ServeFleetClient`, with the fleet's
+    ledger: what several ingress replicas of one app share."""
+
+    def __init__(self, replicas: list[EngineDeployment], ledger: MemoryLedger) -> None:
+        super().__init__(replicas)
+        self.control = ServeFleetClient(ReplicasHandle(replicas), ledger=ledger)
+
+    async def served_adapters(self) -> FleetView:
+        return await self.control.served_adapters()
+
+    async def broadcast_load_adapter(self, name, path, pinned, load_id) -> list[ReplicaReply]:
+        return await self.control.broadcast_load_adapter(name, path, pinned, load_id)
+
+    async def broadcast_unload_adapter(self, name, load_id=None) -> list[ReplicaReply]:
+        return await self.control.broadcast_unload_adapter(name, load_id)
+
+
+async def test_loads_and_unloads_of_one_name_through_two_ingresses_converge(files, tokenizer):
+    """Two ingress replicas race loads and unloads of the same names (each ingress serializes
+    only its own). However the broadcasts interleave on the engine replicas, the fleet ends in
+    one state: both replicas serve the same adapters, the ledger says so (a replica started now
+    would serve them too), and both ingresses' /v1/models and next requests agree."""
+    model, adapters, expected = files
+    ledger = MemoryLedger()
+    backends = [FakeMetricsBackend() for _ in range(2)]
+    config = EngineConfig(
+        model=str(model), num_kv_blocks=64, block_size=4, max_lora_rank=8, max_loras_per_batch=SLOTS
+    )
+    replicas = [
+        EngineDeployment.func_or_class(config, metrics=EngineMetrics(b), ledger=ledger)
+        for b in backends
+    ]
+    for i, replica in enumerate(replicas):
+        replica.replica_id = f"r{i}"
+    fleets = [ServedFleet(replicas, ledger) for _ in range(2)]
+    rng = random.Random(7)
+    names = ["x", "y"]
+    outcomes: Counter[str] = Counter()
+    try:
+        async with (
+            make_client(fleets[0], tokenizer) as one,
+            make_client(fleets[1], tokenizer) as two,
+        ):
+            ingresses = [one, two]
+
+            async def change(client, name: str, delay: float) -> None:
+                await asyncio.sleep(delay)
+                if rng.random() < 0.6:
+                    key = rng.choice(["A", "B"])
+                    r = await load(client, name, adapters[key])
+                    outcomes[f"load {r.status_code}"] += 1
+                else:
+                    r = await unload(client, name)
+                    outcomes[f"unload {r.status_code}"] += 1
+                assert r.status_code in (200, 400, 404), r.text
+
+            for _ in range(25):
+                tasks = [
+                    change(client, rng.choice(names), rng.choice([0.0, 0.0, 0.001, 0.005]))
+                    for client in ingresses
+                    for _ in range(rng.randint(1, 2))
+                ]
+                await asyncio.gather(*tasks)
+                served = [(await r.served_adapters())["adapters"] for r in replicas]
+                assert served[0] == served[1], served  # the broadcasts alone agree
+                fleet_says = {
+                    name: entry.path
+                    for name, entry in ledger.read_all().items()
+                    if entry.path is not None
+                }
+                assert fleet_says == served[0], (fleet_says, served)
+                for client in ingresses:
+                    models = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+                    assert models == {BASE, *served[0]}, (models, served)
+                    for name in names:
+                        r = await complete(client, name)
+                        if name not in served[0]:
+                            assert_openai_error(r, 404)
+                            continue
+                        key = next(k for k, p in adapters.items() if str(p) == served[0][name])
+                        assert (
+                            fleets[0].tokens.get(
+                                r.json()["id"], fleets[1].tokens.get(r.json()["id"])
+                            )
+                            == expected[key]
+                        )
+    finally:
+        for replica in replicas:
+            replica.__del__()
+    # The races happened: both answers of each route, loads refused as taken included.
+    assert all(outcomes[k] > 0 for k in ("load 200", "load 400", "unload 200", "unload 404"))

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import pytest
 
 from replicas.adapter_ledger import (
+    ENTRIES_KEPT,
     AdapterEntry,
     LedgerFollower,
     Load,
     LoadMismatch,
     MemoryLedger,
+    Superseded,
     Unload,
     reconcile,
 )
@@ -129,6 +131,92 @@ class TestLedgerFollower:
         with pytest.raises(LoadMismatch):
             follower.unload(engine, "x", "theirs")
         assert engine.adapters == {"x": "/a/x"}
+
+
+class TestRacingBroadcasts:
+    """Two ingresses broadcast changes of one name; each replica may get them in either order.
+    Whatever the order, a replica ends as the newer change says."""
+
+    def test_a_load_that_arrives_after_a_newer_unload_is_already_undone(self):
+        engine, follower = FakeEngine(), LedgerFollower()
+        with pytest.raises(Refused):  # the unload (version 20) first: nothing to unload yet
+            follower.unload(engine, "x", version=20)
+        follower.load(engine, "x", "/a/x", load_id="l1", version=10)  # then the older load
+        assert engine.adapters == {} and follower.applied["x"] == 20
+
+    def test_an_unload_that_arrives_after_a_newer_load_is_superseded(self):
+        engine, follower = FakeEngine(), LedgerFollower()
+        follower.load(engine, "x", "/a/x", load_id="l1", version=20)
+        with pytest.raises(Superseded) as refused:
+            follower.unload(engine, "x", version=10)
+        assert refused.value.status == 404  # as of version 10, "x" was not loaded
+        assert engine.adapters == {"x": "/a/x"}
+
+    def test_in_order_both_apply(self):
+        engine, follower = FakeEngine(), LedgerFollower()
+        follower.load(engine, "x", "/a/x", version=10)
+        follower.unload(engine, "x", version=20)
+        follower.load(engine, "x", "/b/x", version=30)
+        assert engine.adapters == {"x": "/b/x"}
+
+
+class TestLedgerStores:
+    def test_a_late_older_write_stays_hidden_and_a_retraction_falls_back(self, store):
+        older = AdapterEntry("x", "/a/x", 10, load_id="l1")
+        tombstone = AdapterEntry("x", None, 20)
+        store.write(tombstone)
+        store.write(older)  # its broadcast began first but it is recorded last
+        assert store.read_all() == {"x": tombstone}
+        store.retract(tombstone)
+        assert store.read_all() == {"x": older}
+        store.retract(older)
+        assert store.read_all() == {}
+
+    def test_each_name_keeps_its_newest_entries(self, store):
+        for version in range(1, 10):
+            store.write(AdapterEntry("x", f"/a/{version}", version))
+        store.write(AdapterEntry("x@y", "/a/xy", 1))  # a name that extends "x@"
+        for version in range(9, 9 - ENTRIES_KEPT, -1):
+            assert store.read_all()["x"].version == version
+            store.retract(AdapterEntry("x", None, version))
+        assert "x" not in store.read_all() and store.read_all()["x@y"].path == "/a/xy"
+
+
+class FakeKV:
+    """Ray's internal KV functions over a dict (keys and values as bytes, as Ray returns them)."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+
+    def put(self, key, value, overwrite=True, namespace=None):
+        key = key.encode() if isinstance(key, str) else key
+        self.data[key] = value
+
+    def get(self, key, namespace=None):
+        return self.data.get(key.encode() if isinstance(key, str) else key)
+
+    def list(self, prefix, namespace=None):
+        prefix = prefix.encode() if isinstance(prefix, str) else prefix
+        return [k for k in self.data if k.startswith(prefix)]
+
+    def delete(self, key, namespace=None):
+        self.data.pop(key.encode() if isinstance(key, str) else key, None)
+
+
+@pytest.fixture(params=["memory", "ray"])
+def store(request, monkeypatch):
+    if request.param == "memory":
+        return MemoryLedger()
+    from ray.experimental import internal_kv
+
+    from replicas.deployment import RayLedger
+
+    kv = FakeKV()
+    monkeypatch.setattr(internal_kv, "_internal_kv_put", kv.put)
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", kv.get)
+    monkeypatch.setattr(internal_kv, "_internal_kv_list", kv.list)
+    monkeypatch.setattr(internal_kv, "_internal_kv_del", kv.delete)
+    return RayLedger("app", "EngineDeployment")
 
 
 def test_entries_round_trip_and_check_themselves():
