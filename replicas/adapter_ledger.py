@@ -172,6 +172,8 @@ class LedgerFollower:
     def __init__(self) -> None:
         self.applied: dict[str, int] = {}
         self.load_ids: dict[str, str] = {}
+        # name -> (its last load's id, `applied` before that load): what an undo puts back
+        self._before_load: dict[str, tuple[str, int | None]] = {}
         self.failures: dict[str, str] = {}  # name -> why its latest entry could not be applied
 
     def load(
@@ -183,11 +185,15 @@ class LedgerFollower:
         load_id: str | None = None,
         version: int | None = None,
     ) -> None:
-        """A load older than the last change applied to `name` here (an unload broadcast by
-        another ingress, which started later but came first) is done: it was undone."""
+        """A load older than the last change applied to `name` here, which finds the name not
+        served (an unload broadcast later by another ingress came first), is done: it was
+        undone since. Served, the engine refuses it as a name in use."""
         if version is not None and version < self.applied.get(name, 0):
-            return
+            if name not in engine.served_adapters().adapters:
+                return
         engine.load_adapter(name, path, pinned)
+        if load_id is not None:
+            self._before_load[name] = (load_id, self.applied.get(name))
         self._loaded(name, load_id, version)
 
     def unload(
@@ -197,11 +203,10 @@ class LedgerFollower:
         load_id: str | None = None,
         version: int | None = None,
     ) -> None:
-        """With `load_id`: only when that load registered `name` here (else LoadMismatch). A
-        `version` already applied here (the replica caught up with the store first) is done;
-        one older than the last change applied here is Superseded. An unload of a name not
-        served here still counts as its version's change: a load broadcast earlier that
-        arrives later must not bring the name back."""
+        """With `load_id` (undoing a partial load): only when that load registered `name` here
+        (else LoadMismatch), and the version it applied is taken back. A `version` already
+        applied here (the replica caught up with the store first) is done; one older than the
+        last change applied here is Superseded (as of it, the name was not loaded here)."""
         if version is not None:
             if self.applied.get(name) == version:
                 return
@@ -209,12 +214,16 @@ class LedgerFollower:
                 raise Superseded(f"The lora adapter '{name}' cannot be found.")
         if load_id is not None and self.load_ids.get(name) != load_id:
             raise LoadMismatch(f"adapter {name!r} was not loaded by load {load_id}")
-        try:
-            engine.unload_adapter(name)
-        finally:
-            if version is not None:
-                self.applied[name] = max(version, self.applied.get(name, 0))
+        engine.unload_adapter(name)
         self.load_ids.pop(name, None)
+        loaded_by, before = self._before_load.pop(name, (None, None))
+        if load_id is not None and loaded_by == load_id:
+            if before is None:
+                self.applied.pop(name, None)
+            else:
+                self.applied[name] = before
+        if version is not None:
+            self.applied[name] = max(version, self.applied.get(name, 0))
 
     def follow(self, engine: AdapterEngine, entries: dict[str, AdapterEntry]) -> list[str]:
         """Apply the entries newer than what this replica applied; returns the names changed
@@ -233,6 +242,7 @@ class LedgerFollower:
                 self.failures[entry.name] = str(e)
                 continue
             self.failures.pop(entry.name, None)
+            self._before_load.pop(entry.name, None)  # no undo of an earlier load reaches past
             if entry.unloaded:
                 self.load_ids.pop(entry.name, None)
                 self.applied[entry.name] = entry.version

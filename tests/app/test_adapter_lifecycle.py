@@ -281,10 +281,12 @@ async def test_an_adapter_that_does_not_fit_the_model_is_400_at_load(app, files,
 
 class ReplicasHandle:
     """A deployment handle over in-process replicas: `broadcast` calls each one concurrently,
-    as Serve does, for `ServeFleetClient`."""
+    as Serve does, for `ServeFleetClient`, each after a random delay of its own (over the
+    network, two broadcasts may reach two replicas in opposite orders)."""
 
-    def __init__(self, replicas: list[EngineDeployment]) -> None:
+    def __init__(self, replicas: list[EngineDeployment], rng: random.Random) -> None:
         self.replicas = replicas
+        self.rng = rng
         self.turn = itertools.count()
 
     def __getattr__(self, method: str):  # handle.<method>.remote(): one replica, round robin
@@ -299,7 +301,11 @@ class ReplicasHandle:
         return Method()
 
     def broadcast(self, method: str, *args):
-        calls = [getattr(replica, method)(*args) for replica in self.replicas]
+        async def call(replica, delay: float):
+            await asyncio.sleep(delay)
+            return await getattr(replica, method)(*args)
+
+        calls = [call(r, self.rng.choice([0.0, 0.002, 0.01])) for r in self.replicas]
 
         class Results:
             async def results_async(self, timeout_s: float, return_exceptions: bool):
@@ -312,9 +318,11 @@ class ServedFleet(LocalFleet):
     """`LocalFleet` whose control plane is the app's own `ServeFleetClient`, with the fleet's
     ledger: what several ingress replicas of one app share."""
 
-    def __init__(self, replicas: list[EngineDeployment], ledger: MemoryLedger) -> None:
+    def __init__(
+        self, replicas: list[EngineDeployment], ledger: MemoryLedger, rng: random.Random
+    ) -> None:
         super().__init__(replicas)
-        self.control = ServeFleetClient(ReplicasHandle(replicas), ledger=ledger)
+        self.control = ServeFleetClient(ReplicasHandle(replicas, rng), ledger=ledger)
 
     async def served_adapters(self) -> FleetView:
         return await self.control.served_adapters()
@@ -328,9 +336,10 @@ class ServedFleet(LocalFleet):
 
 async def test_loads_and_unloads_of_one_name_through_two_ingresses_converge(files, tokenizer):
     """Two ingress replicas race loads and unloads of the same names (each ingress serializes
-    only its own). However the broadcasts interleave on the engine replicas, the fleet ends in
-    one state: both replicas serve the same adapters, the ledger says so (a replica started now
-    would serve them too), and both ingresses' /v1/models and next requests agree."""
+    only its own), and their broadcasts reach the replicas in either order. Once the replicas
+    have caught up with the ledger (as they do every few seconds) the fleet is in one state:
+    both replicas serve the same adapters, the ledger says so (a replica started now would
+    serve them too), and both ingresses' /v1/models, /v1/adapters and next requests agree."""
     model, adapters, expected = files
     ledger = MemoryLedger()
     backends = [FakeMetricsBackend() for _ in range(2)]
@@ -343,10 +352,11 @@ async def test_loads_and_unloads_of_one_name_through_two_ingresses_converge(file
     ]
     for i, replica in enumerate(replicas):
         replica.replica_id = f"r{i}"
-    fleets = [ServedFleet(replicas, ledger) for _ in range(2)]
     rng = random.Random(7)
+    fleets = [ServedFleet(replicas, ledger, rng) for _ in range(2)]
     names = ["x", "y"]
     outcomes: Counter[str] = Counter()
+    caught_up = 0  # replicas the ledger's catch-up changed (broadcasts that crossed)
     try:
         async with (
             make_client(fleets[0], tokenizer) as one,
@@ -372,8 +382,10 @@ async def test_loads_and_unloads_of_one_name_through_two_ingresses_converge(file
                     for _ in range(rng.randint(1, 2))
                 ]
                 await asyncio.gather(*tasks)
+                for replica in replicas:  # the catch-up each replica runs every few seconds
+                    caught_up += bool(await replica.sync_adapters())
                 served = [(await r.served_adapters())["adapters"] for r in replicas]
-                assert served[0] == served[1], served  # the broadcasts alone agree
+                assert served[0] == served[1], served
                 fleet_says = {
                     name: entry.path
                     for name, entry in ledger.read_all().items()
@@ -383,6 +395,8 @@ async def test_loads_and_unloads_of_one_name_through_two_ingresses_converge(file
                 for client in ingresses:
                     models = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
                     assert models == {BASE, *served[0]}, (models, served)
+                    listing = (await client.get("/v1/adapters")).json()["data"]
+                    assert {card["id"]: card["path"] for card in listing} == served[0], listing
                     for name in names:
                         r = await complete(client, name)
                         if name not in served[0]:

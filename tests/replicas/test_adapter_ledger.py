@@ -139,10 +139,32 @@ class TestRacingBroadcasts:
 
     def test_a_load_that_arrives_after_a_newer_unload_is_already_undone(self):
         engine, follower = FakeEngine(), LedgerFollower()
-        with pytest.raises(Refused):  # the unload (version 20) first: nothing to unload yet
+        follower.load(engine, "x", "/a/x", load_id="l0", version=5)
+        follower.unload(engine, "x", version=20)  # took x out
+        follower.load(engine, "x", "/b/x", load_id="l1", version=10)  # broadcast before it
+        assert engine.adapters == {} and follower.applied["x"] == 20
+
+    def test_a_load_that_crossed_an_unload_of_nothing_is_taken_out_by_the_ledger(self):
+        engine, follower = FakeEngine(), LedgerFollower()
+        with pytest.raises(Refused):  # the unload (version 20) first: nothing to unload here
             follower.unload(engine, "x", version=20)
         follower.load(engine, "x", "/a/x", load_id="l1", version=10)  # then the older load
+        assert engine.adapters == {"x": "/a/x"}  # for now; the ledger has the unload last
+        ledger = MemoryLedger()
+        ledger.write(AdapterEntry("x", None, 20))
+        ledger.write(AdapterEntry("x", "/a/x", 10, load_id="l1"))  # recorded late: hidden
+        assert follower.follow(engine, ledger.read_all()) == ["x"]
         assert engine.adapters == {} and follower.applied["x"] == 20
+
+    def test_undoing_a_load_takes_back_its_version(self):
+        engine, follower = FakeEngine(), LedgerFollower()
+        follower.load(engine, "x", "/a/x", load_id="l1", version=10)
+        follower.unload(engine, "x", load_id="l1")  # it failed elsewhere
+        assert engine.adapters == {} and "x" not in follower.applied
+        ledger = MemoryLedger()
+        ledger.write(AdapterEntry("x", "/b/x", 5, load_id="l0"))  # what the fleet serves
+        assert follower.follow(engine, ledger.read_all()) == ["x"]
+        assert engine.adapters == {"x": "/b/x"}
 
     def test_an_unload_that_arrives_after_a_newer_load_is_superseded(self):
         engine, follower = FakeEngine(), LedgerFollower()
