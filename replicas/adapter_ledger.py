@@ -83,10 +83,6 @@ class MemoryLedger:
     def __init__(self) -> None:
         self._versions: dict[str, dict[int, AdapterEntry]] = {}
 
-    @property
-    def entries(self) -> dict[str, AdapterEntry]:
-        return self.read_all()
-
     def read_all(self) -> dict[str, AdapterEntry]:
         return newest([e for versions in self._versions.values() for e in versions.values()])
 
@@ -172,8 +168,8 @@ class LedgerFollower:
     def __init__(self) -> None:
         self.applied: dict[str, int] = {}
         self.load_ids: dict[str, str] = {}
-        # name -> (its last load's id, `applied` before that load): what an undo puts back
-        self._before_load: dict[str, tuple[str, int | None]] = {}
+        # name -> `applied` before the load in `load_ids` (its broadcast): what an undo puts back
+        self._before_load: dict[str, int | None] = {}
         self.failures: dict[str, str] = {}  # name -> why its latest entry could not be applied
 
     def load(
@@ -193,7 +189,7 @@ class LedgerFollower:
                 return
         engine.load_adapter(name, path, pinned)
         if load_id is not None:
-            self._before_load[name] = (load_id, self.applied.get(name))
+            self._before_load[name] = self.applied.get(name)
         self._loaded(name, load_id, version)
 
     def unload(
@@ -216,8 +212,9 @@ class LedgerFollower:
             raise LoadMismatch(f"adapter {name!r} was not loaded by load {load_id}")
         engine.unload_adapter(name)
         self.load_ids.pop(name, None)
-        loaded_by, before = self._before_load.pop(name, (None, None))
-        if load_id is not None and loaded_by == load_id:
+        undo = load_id is not None and name in self._before_load  # `load_id`'s, checked above
+        before = self._before_load.pop(name, None)
+        if undo:
             if before is None:
                 self.applied.pop(name, None)
             else:

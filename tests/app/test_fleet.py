@@ -63,7 +63,7 @@ async def test_a_load_every_replica_took_is_recorded_with_the_version_they_were_
     )
     assert all(r.ok for r in replies) and len(replies) == 2
     (_, name, path, pinned, load_id, version) = handle.calls[0]
-    assert ledger.entries == {"sql": AdapterEntry(name, path, version, pinned, load_id)}
+    assert ledger.read_all() == {"sql": AdapterEntry(name, path, version, pinned, load_id)}
     assert (name, path, pinned, load_id) == ("sql", "/adapters/sql", True, "load-1")
 
 
@@ -75,7 +75,7 @@ async def test_a_load_a_replica_refused_is_not_recorded():
     assert replies[1].status == 400 and replies[1].reason == "cannot read adapter weights"
     # The undo, a broadcast naming that load, leaves the ledger alone too.
     await fleet.broadcast_unload_adapter("sql", "load-1")
-    assert ledger.entries == {}
+    assert ledger.read_all() == {}
 
 
 async def test_an_unload_is_recorded_before_any_replica_hears_of_it():
@@ -90,7 +90,7 @@ async def test_an_unload_is_recorded_before_any_replica_hears_of_it():
     await ServeFleetClient(FakeHandle(replica), ledger=ledger).broadcast_unload_adapter("sql")
     (entry,) = seen
     assert entry.path is None and entry.version > 1
-    assert ledger.entries["sql"] == entry
+    assert ledger.read_all()["sql"] == entry
 
 
 @pytest.mark.parametrize("before", [None, AdapterEntry("sql", "/adapters/sql", 1, True, "l1")])
