@@ -320,6 +320,29 @@ class TestClientMistakes:
         assert "surrogate" in error["message"]
         assert engine.requests == []
 
+    @pytest.mark.parametrize(
+        ("route", "body", "param"),
+        [
+            ("/v1/completions", {"model": BASE, "prompt": [[False]]}, "prompt"),
+            ("/v1/completions", {"model": BASE, "prompt": [5, 1.0]}, "prompt"),
+            ("/v1/completions", {"model": BASE, "prompt": "a", "max_tokens": "5"}, "max_tokens"),
+            ("/v1/completions", {"model": BASE, "prompt": "a", "stream": 1}, "stream"),
+            (
+                "/v1/chat/completions",
+                {"model": BASE, "messages": [{"role": "user", "content": "a"}], "seed": True},
+                "seed",
+            ),
+            ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": 5}, "lora_path"),
+        ],
+    )
+    async def test_a_value_of_another_type_is_400_not_coerced(self, tokenizer, route, body, param):
+        engine = FakeEngine(text_chunks("ok"))
+        async with make_client(engine, tokenizer) as client:
+            r = await client.post(route, json=body)
+        error = assert_openai_error(r, 400)
+        assert error["param"].split(".")[0] == param, error  # a union names its first member
+        assert engine.requests == []
+
     @pytest.mark.parametrize("depth", [40, 900])
     async def test_deeply_nested_template_variables_are_400(self, tokenizer, depth):
         nested = "[" * depth + "]" * depth
