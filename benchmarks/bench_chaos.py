@@ -2,6 +2,12 @@
 `kill -9` of an engine replica and of the ingress replica, on a local Serve deployment (CPU).
 
     python -m benchmarks.bench_chaos --duration 120 --out benchmarks/results
+    python -m benchmarks.bench_chaos --soak --duration 300 --out benchmarks/results
+
+`--soak` kills nothing: streamed and whole (non-streamed) requests through several ingress
+replicas (4 by default) and 2 engine replicas, clients hanging up at random, loads and unloads
+in between. Its figure is `lost`: requests the fleet failed although no client hung up and
+nothing died, which must be 0, with the fleet idle and every KV block and slot free after.
 
 What must hold, and what is measured:
 - every request ends: tokens and `[DONE]`, a clean error event or status, or the client's own
@@ -56,6 +62,7 @@ class ChaosPlan:
     kill_engine_at: float | None = 0.2
     kill_ingress_at: float | None = 0.55
     orphans: int = 2  # long streams started just before the ingress kill, left to the engines
+    stream_share: float = 1.0  # requests streamed; the others are answered whole
     seed: int = 0
 
 
@@ -123,14 +130,16 @@ async def one_request(
     hang_up_after: int | None,
     long: bool,
     first_chunk: asyncio.Event | None = None,
+    stream: bool = True,
 ) -> Outcome:
-    """One streamed completion, classified by how it ended. `first_chunk` is set when its
-    first tokens arrive (the request is running in an engine)."""
+    """One completion, streamed or answered whole, classified by how it ended. `first_chunk`
+    is set when its first tokens arrive (the request is running in an engine). A whole answer
+    is hung up on after `hang_up_after` tens of milliseconds."""
     body = {
         "model": model,
         "prompt": [5, 17, 200, 33],
         "max_tokens": max_tokens,
-        "stream": True,
+        "stream": stream,
         "ignore_eos": True,
         "temperature": 0,
     }
@@ -139,6 +148,8 @@ async def one_request(
     def outcome(kind: str, detail: str = "") -> Outcome:
         return Outcome(kind, started, time.monotonic(), model, long, detail)
 
+    if not stream:
+        return await whole_request(client, body, hang_up_after, outcome)
     try:
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
             async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -173,6 +184,33 @@ async def one_request(
         return outcome(f"transport:{type(e).__name__}")
 
 
+async def whole_request(client: httpx.AsyncClient, body: dict, hang_up_after: int | None, outcome):
+    """A non-streamed completion: `ok` when its answer has every token it asked for."""
+    post = asyncio.ensure_future(client.post("/v1/completions", json=body))
+    if hang_up_after is not None:
+        done, _ = await asyncio.wait([post], timeout=0.01 * hang_up_after)
+        if not done:
+            post.cancel()  # the connection closes: the server aborts the request
+            try:
+                await post
+            except (asyncio.CancelledError, httpx.HTTPError):
+                pass
+            return outcome("hung_up")
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            r = await post
+    except TimeoutError:
+        return outcome("hung")
+    except httpx.HTTPError as e:
+        return outcome(f"transport:{type(e).__name__}")
+    if r.status_code != 200:
+        return outcome(f"status:{r.status_code}", r.text[:200])
+    usage = r.json().get("usage", {})
+    if usage.get("completion_tokens") != body["max_tokens"]:
+        return outcome("cut", r.text[:200])
+    return outcome("ok")
+
+
 async def client_loop(
     url: str, plan: ChaosPlan, rng: random.Random, stop_at: float, log: ChaosLog
 ) -> None:
@@ -181,7 +219,9 @@ async def client_loop(
             long = rng.random() < plan.long_share
             max_tokens = plan.long_max_tokens if long else rng.randint(*plan.max_tokens)
             hang_up = rng.randint(1, 4) if (long or rng.random() < plan.hang_up_share) else None
-            outcome = await one_request(client, rng.choice(plan.models), max_tokens, hang_up, long)
+            stream = long or rng.random() < plan.stream_share
+            model = rng.choice(plan.models)
+            outcome = await one_request(client, model, max_tokens, hang_up, long, None, stream)
             log.outcomes.append(outcome)
             if not outcome.ok and outcome.kind != "hung_up":
                 await asyncio.sleep(0.1)  # a failing fleet: don't spin
@@ -418,6 +458,9 @@ def summarize(
         "outcomes": dict(sorted(kinds.items())),
         "errors": {k: v for k, v in sorted(kinds.items()) if k not in ("ok", "hung_up")},
         "hung": kinds["hung"],
+        # Requests that ended other than complete or hung up on by their client: with nothing
+        # killed, each is one the fleet lost.
+        "lost": sum(v for k, v in kinds.items() if k not in ("ok", "hung_up")),
         "churn": dict(sorted(log.churn.items())),
         "recovery": recovery,
         "settled": settled["settled"],
@@ -444,11 +487,17 @@ def total(stats: list[dict], key: str) -> int:
 # The script
 
 
+# A soak: nothing killed, half the requests answered whole.
+SOAK = {"kill_engine_at": None, "kill_ingress_at": None, "orphans": 0, "stream_share": 0.5}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=120.0, help="seconds of traffic")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--replicas", type=int, default=2, help="engine replicas")
+    p.add_argument("--ingress", type=int, help="ingress replicas (default: 1, or 4 with --soak)")
+    p.add_argument("--soak", action="store_true", help="no kills; streamed and whole requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="chaos")
@@ -466,13 +515,14 @@ def main(argv: list[str] | None = None) -> Path:
     from replicas.models.spec import ModelSpec
 
     args = parse_args(argv)
+    ingress = args.ingress or (4 if args.soak else 1)
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     model_dir = write_model(work, TINY)
     (work / "adapters").mkdir()
     adapters = write_fleet(work / "adapters", ModelSpec.from_dir(model_dir), ["a", "b", "c"], 8)
     port = free_port()
     app = "chaos"
-    ray.init(num_cpus=args.replicas + 2, include_dashboard=False)
+    ray.init(num_cpus=args.replicas + ingress + 1, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -486,6 +536,7 @@ def main(argv: list[str] | None = None) -> Path:
                     "runtime_adapter_dirs": [str(work / "adapters")],
                     "device": "cpu",
                     "num_replicas": args.replicas,
+                    "num_ingress_replicas": ingress,
                     "max_loras_per_batch": 2,
                     "max_lora_rank": 8,
                     "max_model_len": 4096,
@@ -501,30 +552,62 @@ def main(argv: list[str] | None = None) -> Path:
             duration_s=args.duration,
             clients=args.clients,
             seed=args.seed,
+            **(SOAK if args.soak else {}),
         )
         report = asyncio.run(run_chaos(url, app, plan, args.replicas))
     finally:
         serve.shutdown()
         ray.shutdown()
-    rows = [
-        {"kill": what, **{k: v for k, v in figures.items()}}
-        for what, figures in report["recovery"].items()
-    ]
-    path = write_results(
-        args.out,
-        args.name,
-        "Faults under load (CPU, tiny model)",
-        "kill -9 of an engine replica and of the ingress during streaming traffic with hang-ups "
-        "and adapter churn; recovery = time from the kill to the next successful request, and "
-        "to every replica answering again",
-        ["kill", "killed_at_s", "first_ok_after_s", "fleet_whole_after_s"],
-        rows,
-        extra={k: v for k, v in report.items() if k != "recovery"},
-    )
+    if args.soak:
+        path = write_soak(args, ingress, report)
+    else:
+        rows = [
+            {"kill": what, **{k: v for k, v in figures.items()}}
+            for what, figures in report["recovery"].items()
+        ]
+        path = write_results(
+            args.out,
+            args.name,
+            "Faults under load (CPU, tiny model)",
+            "kill -9 of an engine replica and of the ingress during streaming traffic with "
+            "hang-ups and adapter churn; recovery = time from the kill to the next successful "
+            "request, and to every replica answering again",
+            ["kill", "killed_at_s", "first_ok_after_s", "fleet_whole_after_s"],
+            rows,
+            extra={k: v for k, v in report.items() if k != "recovery"},
+        )
     outcome_rows = [{"outcome": k, "requests": v} for k, v in report["outcomes"].items()]
     append_table(path, "Requests by how they ended", ["outcome", "requests"], outcome_rows)
     print(path.read_text())
     return path
+
+
+def write_soak(args: argparse.Namespace, ingress: int, report: dict[str, Any]) -> Path:
+    from benchmarks.common import write_results
+
+    figures = {
+        "ingress replicas": ingress,
+        "engine replicas": args.replicas,
+        "seconds of traffic": args.duration,
+        "requests": report["requests"],
+        "served": report["served"],
+        "hung up by their client": report["outcomes"].get("hung_up", 0),
+        "lost by the fleet": report["lost"],
+        "aborted as abandoned by a dead caller": report["abandoned"],
+        "server errors (5xx)": len(report["server_errors"]),
+        "fleet idle after, every KV block and slot free": report["settled"],
+        "adapter churn answers": sum(report["churn"].values()),
+    }
+    return write_results(
+        args.out,
+        args.name if args.name != "chaos" else "soak",
+        "Soak: nothing killed, several ingress replicas (CPU, tiny model)",
+        "requests lost by the fleet against 0: every request completes unless its client hangs "
+        "up; streamed and whole requests, random hang-ups, adapter loads and unloads in between",
+        ["figure", "value"],
+        [{"figure": k, "value": v} for k, v in figures.items()],
+        extra={k: v for k, v in report.items() if k != "recovery"},
+    )
 
 
 if __name__ == "__main__":

@@ -113,11 +113,20 @@ def deploy_and_measure(
     ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 2), num_gpus=num_gpus,
              include_dashboard=False)  # fmt: skip
     url = f"http://127.0.0.1:{args.port}"
+
+    async def measure_then_shut_down() -> HttpPhase:
+        try:
+            return await http_phase(url, wl, work, warm, args.run_timeout)
+        finally:
+            # On the loop the handles ran on: with Serve's router on the caller's loop
+            # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1), a shutdown after that loop closed fails.
+            await serve.shutdown_async()
+
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(build_app(app), name=APP_NAME, route_prefix="/")
         wait_healthy(url)
-        return asyncio.run(http_phase(url, wl, work, warm, args.run_timeout))
+        return asyncio.run(measure_then_shut_down())
     finally:
-        serve.shutdown()
+        serve.shutdown()  # when the phase never ran; nothing to do after it
         ray.shutdown()

@@ -149,8 +149,9 @@ class LoadMismatch(LookupError):
 
 
 class Superseded(LookupError):
-    """An unload older than the last change applied to its name here: as of its version, the
-    name was not loaded here."""
+    """An unload that finds, as of its version, the name not loaded here: it is older than the
+    last change applied to the name, or a catch-up applied its version first and found nothing
+    to unload."""
 
     status = 404
 
@@ -171,6 +172,8 @@ class LedgerFollower:
         # name -> `applied` before the load in `load_ids` (its broadcast): what an undo puts back
         self._before_load: dict[str, int | None] = {}
         self.failures: dict[str, str] = {}  # name -> why its latest entry could not be applied
+        # name -> the version of an unload a catch-up applied without finding the name served
+        self._found_absent: dict[str, int] = {}
 
     def load(
         self,
@@ -201,10 +204,13 @@ class LedgerFollower:
     ) -> None:
         """With `load_id` (undoing a partial load): only when that load registered `name` here
         (else LoadMismatch), and the version it applied is taken back. A `version` already
-        applied here (the replica caught up with the store first) is done; one older than the
-        last change applied here is Superseded (as of it, the name was not loaded here)."""
+        applied here (the replica caught up with the store first) is done, unless that catch-up
+        found the name not served; one older than the last change applied here is Superseded
+        (as of it, the name was not loaded here)."""
         if version is not None:
             if self.applied.get(name) == version:
+                if self._found_absent.get(name) == version:
+                    raise Superseded(f"The lora adapter '{name}' cannot be found.")
                 return
             if version < self.applied.get(name, 0):
                 raise Superseded(f"The lora adapter '{name}' cannot be found.")
@@ -229,10 +235,11 @@ class LedgerFollower:
         changed: list[str] = []
         served = dict(engine.served_adapters().adapters)
         for entry, steps in reconcile(entries, served, self.applied):
+            removed = True
             try:
                 for step in steps:
                     if isinstance(step, Unload):
-                        self._unload_quietly(engine, step.name)
+                        removed = self._unload_quietly(engine, step.name)
                     else:
                         engine.load_adapter(step.name, step.path, step.pinned)
             except Exception as e:
@@ -243,19 +250,25 @@ class LedgerFollower:
             if entry.unloaded:
                 self.load_ids.pop(entry.name, None)
                 self.applied[entry.name] = entry.version
+                if not removed:  # its own broadcast, arriving later, must say so (404)
+                    self._found_absent[entry.name] = entry.version
             else:
                 self._loaded(entry.name, entry.load_id, entry.version)
             if steps:
                 changed.append(entry.name)
         return changed
 
-    def _unload_quietly(self, engine: AdapterEngine, name: str) -> None:
+    def _unload_quietly(self, engine: AdapterEngine, name: str) -> bool:
+        """Unload `name`; False when it was not served here."""
         try:
             engine.unload_adapter(name)
         except Exception as e:
             if getattr(e, "status", None) != 404:
                 raise
-        self.load_ids.pop(name, None)
+            return False
+        finally:
+            self.load_ids.pop(name, None)
+        return True
 
     def _loaded(self, name: str, load_id: str | None, version: int | None) -> None:
         if load_id is not None:

@@ -35,7 +35,8 @@ WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
 LEDGER_SYNC_S = 5.0  # how often a replica catches up with the runtime adapter ledger
 LEDGER_NAMESPACE = "lorafleet"
 # How long a caller counts as alive before it is asked after again: a dead caller's requests
-# are aborted within LEASE_S + LEASE_SWEEP_S of its death (plus the GCS's own notice, ~20 ms).
+# are aborted within LEASE_S + LEASE_SWEEP_S of its death (plus the GCS's own notice, ~20 ms,
+# and its answer). A live caller's requests are never aborted, however late the answer.
 LEASE_S = 0.5
 LEASE_SWEEP_S = 0.25  # how often a replica looks for callers whose lease lapsed
 LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
@@ -58,7 +59,7 @@ class EngineDeployment:
         stats_period_s: float = STATS_PERIOD_S,
         clock: Callable[[], float] = time.monotonic,
         ledger: LedgerStore | None = None,
-        caller_alive: Callable[[str], Awaitable[bool]] | None = None,
+        dead_callers: Callable[[list[str]], Awaitable[set[str]]] | None = None,
     ) -> None:
         if prepare is not None:
             prepare()
@@ -67,10 +68,10 @@ class EngineDeployment:
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.set_slot_capacity(config.max_loras_per_batch)
         self.leases = CallerLeases(clock)
-        # Whether a caller (an ingress replica's actor id) is alive: asked only of callers whose
+        # Which callers (ingress replicas' actor ids) are known dead: asked only of callers whose
         # lease lapsed, so a live ingress sends nothing to keep its requests.
-        self._caller_alive = (
-            caller_alive if caller_alive is not None else _gcs_liveness(_serve_context())
+        self._dead_callers = (
+            dead_callers if dead_callers is not None else _gcs_liveness(_serve_context())
         )
         self.num_abandoned = 0  # requests aborted because their caller's lease lapsed
         self.abandoned_at: float | None = None  # wall clock (time.time) of the last of them
@@ -117,9 +118,10 @@ class EngineDeployment:
     async def generate(
         self, request: GenerateRequest, caller: str | None = None, lease_s: float = LEASE_S
     ) -> AsyncIterator[GenerateChunk]:
-        """Stream the request's chunks. `caller` (the sending ingress's Ray actor id) puts the
-        request under that caller's lease for `lease_s`; when it lapses, the caller is asked after
-        and, if dead, the request is aborted (`abort_abandoned`)."""
+        """Stream the request's chunks. `caller` (the sending ingress's Ray actor id) makes the
+        request that caller's: once the caller's lease lapses (`lease_s` after its last request
+        or its last answer as alive) it is asked after, and its requests are aborted only if it
+        is dead (`abort_abandoned`)."""
         if caller is not None:
             self.leases.track(request.request_id, caller, lease_s)
         try:
@@ -130,24 +132,25 @@ class EngineDeployment:
         finally:
             self.leases.release(request.request_id)
 
-    async def renew_lease(self, caller: str, lease_s: float) -> None:
-        """`caller` is alive: its requests here may run for `lease_s` more seconds."""
-        self.leases.renew(caller, lease_s)
-
     async def abort_abandoned(self) -> None:
-        """Every `LEASE_SWEEP_S` under Serve: a caller whose lease lapsed is asked after (Ray's
-        GCS knows whether an actor is dead); alive, its lease is extended, dead, its requests
-        are aborted, since no one would close their streams. Without a liveness check (built
-        outside Serve), only `renew_lease` keeps a caller's requests."""
-        if self._caller_alive is not None:
-            for caller in self.leases.lapsed_callers():
-                if await self._caller_alive(caller):
-                    self.leases.renew(caller, LEASE_S)
-        for request_id in self.leases.expired():
-            self.num_abandoned += 1
-            self.abandoned_at = time.time()
-            logger.warning("aborting request %s: its caller is gone", request_id)
-            self.engine.abort(request_id, "the request's caller went away")
+        """Every `LEASE_SWEEP_S` under Serve: the callers whose lease lapsed are asked after
+        (Ray's GCS knows whether an actor is dead). Those found dead lose their requests, since
+        no one would close their streams; every other one (alive, or not known dead: the GCS
+        was slow or failed) keeps them and is asked again a lease later. Built outside Serve
+        (no liveness check), no request is ever abandoned."""
+        lapsed = self.leases.lapsed_callers()
+        if not lapsed or self._dead_callers is None:
+            return
+        dead = await self._dead_callers(lapsed)
+        for caller in lapsed:
+            if caller not in dead:
+                self.leases.renew(caller, LEASE_S)
+                continue
+            for request_id in self.leases.abandon(caller):
+                self.num_abandoned += 1
+                self.abandoned_at = time.time()
+                logger.warning("aborting request %s: its caller %s is dead", request_id, caller)
+                self.engine.abort(request_id, "the request's caller went away")
 
     async def info(self) -> dict:
         engine = self.engine.engine
@@ -495,29 +498,56 @@ def _replica_id() -> str:
         return "local"
 
 
-def _gcs_liveness(serve_context: Any) -> Callable[[str], Awaitable[bool]] | None:
-    """Under Serve, an async check that an actor is not dead, read from Ray's GCS in a thread
-    (one at a time: the GCS accessor is shared); None outside Serve. Only a "DEAD" state counts:
-    an actor the table does not show, or a failed read, keeps its requests until asked again."""
-    if serve_context is None:
-        return None
-    lock = asyncio.Lock()
+def _gcs_liveness(serve_context: Any) -> GcsLiveness | None:
+    """Under Serve, the callers Ray's GCS reports dead; None outside Serve."""
+    return GcsLiveness() if serve_context is not None else None
 
-    def alive(actor_id: str) -> bool:
-        from ray._private import state
 
+class GcsLiveness:
+    """`await liveness(actor_ids)`: those of `actor_ids` that Ray's GCS reports DEAD.
+
+    One read at a time, on a worker thread (the GCS accessor is shared), bounded by `timeout_s`.
+    Only a DEAD state counts: an actor the table does not show, a read that fails or times out,
+    or a sweep that comes while an earlier read still runs, reports none dead. A slow or
+    unavailable GCS delays the abort of a dead caller's requests; it never aborts a live one's.
+    """
+
+    def __init__(self, timeout_s: float = 2.0, read: Callable[[str], Any] | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._read = read if read is not None else _actor_state
+        self._reading: asyncio.Future | None = None
+
+    async def __call__(self, actor_ids: list[str]) -> set[str]:
+        if self._reading is not None and not self._reading.done():
+            return set()  # the GCS has not answered the last sweep yet
+        self._reading = asyncio.ensure_future(asyncio.to_thread(self._dead, list(actor_ids)))
         try:
-            info = state.actors(actor_id=actor_id)
-        except Exception as e:  # unsure: keep the requests, ask again later
-            logger.warning("could not read the state of caller %s: %r", actor_id, e)
-            return True
-        return not info or info.get("State") != "DEAD"
+            return await asyncio.wait_for(asyncio.shield(self._reading), self.timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "the GCS did not say within %g s whether callers are alive", self.timeout_s
+            )
+            return set()
 
-    async def check(actor_id: str) -> bool:
-        async with lock:
-            return await asyncio.to_thread(alive, actor_id)
+    def _dead(self, actor_ids: list[str]) -> set[str]:
+        dead = set()
+        for actor_id in actor_ids:
+            try:
+                state = self._read(actor_id)
+            except Exception as e:  # unsure: keep the requests, ask again later
+                logger.warning("could not read the state of caller %s: %r", actor_id, e)
+                continue
+            if state == "DEAD":
+                dead.add(actor_id)
+        return dead
 
-    return check
+
+def _actor_state(actor_id: str) -> str | None:
+    """The actor's state in Ray's GCS ("ALIVE", "DEAD", ...), None when the table has no entry."""
+    from ray._private import state
+
+    info = state.actors(actor_id=actor_id)
+    return info.get("State") if info else None
 
 
 def _serve_context() -> Any:

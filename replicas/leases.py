@@ -1,15 +1,18 @@
-"""Caller leases: which caller owns each request an engine replica runs, and whether that caller
-is still there. Plain Python (no Ray, no torch); the clock is injected.
+"""Caller leases: which caller owns each request an engine replica runs, and when each caller is
+next asked after. Plain Python (no Ray, no torch); the clock is injected.
 
 A streamed request is a call from an ingress replica. When that process dies, nothing tells the
 engine: Ray Serve cancels a replica's generator only when the caller cancels its response, and a
 dead caller cancels nothing, so its requests would run to `max_tokens`, holding KV blocks and
-batch places. So each caller holds a lease on the replica: every request it sends renews it.
-When a lease lapses the replica asks whether the caller is alive (Ray's GCS, see
-`EngineDeployment.abort_abandoned`) and renews it if so; otherwise every request of that caller
-is abandoned and the replica aborts them. The caller sends nothing to stay alive: a renewal sent
-as a Serve call would wait behind the requests it protects once the replica is at
-`max_ongoing_requests`, and lapse.
+batch places. So the replica asks after the callers that own its requests: every `ttl_s` at
+most (a lease), through Ray's GCS (`EngineDeployment.abort_abandoned`).
+
+A lease is not a deadline. A lapsed lease only means "ask again"; a caller's requests are
+aborted only when the answer says the caller is dead (`abandon`). A slow answer, a failed one,
+or none at all keeps every request: they cost a dead caller's requests some time, never a live
+caller's requests their tokens. The caller sends nothing to stay alive: a renewal sent as a
+Serve call would wait behind the requests it protects once the replica is at
+`max_ongoing_requests`.
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ class CallerLeases:
     """Leases by caller id, and the requests each caller owns.
 
     `track` records a request and renews its caller's lease (a new request is proof of life);
-    `renew` extends a caller's lease; `release` forgets a request that ended. `expired()` returns
-    the requests whose caller's lease has run out and forgets them and that caller; a caller that
-    renews later starts a new lease.
+    `renew` extends a caller's lease (it was found alive); `release` forgets a request that
+    ended, and its caller once it owns none. `lapsed_callers` lists the callers to ask after;
+    `abandon` forgets a caller found dead and returns its requests.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._until: dict[str, float] = {}  # caller -> when its lease runs out
+        self._until: dict[str, float] = {}  # caller -> when to ask after it again
         self._requests: dict[str, set[str]] = {}  # caller -> request ids
         self._owner: dict[str, str] = {}  # request id -> caller
 
@@ -50,22 +53,20 @@ class CallerLeases:
             owned.discard(request_id)
             if not owned:
                 del self._requests[caller]
+                del self._until[caller]  # nothing to ask after; its next request starts anew
 
     def lapsed_callers(self) -> list[str]:
-        """Callers whose lease has run out and that own running requests, which they still
-        hold until `expired`. A lapsed caller that owns none is not worth asking after."""
+        """Callers whose lease ran out, each owning requests: to be asked after. Their
+        requests stay theirs whatever the answer takes."""
         now = self.clock()
         return [c for c, until in self._until.items() if until <= now and c in self._requests]
 
-    def expired(self) -> list[str]:
-        now = self.clock()
-        lapsed = [caller for caller, until in self._until.items() if until <= now]
-        abandoned: list[str] = []
-        for caller in lapsed:
-            del self._until[caller]
-            for request_id in sorted(self._requests.pop(caller, ())):
-                del self._owner[request_id]
-                abandoned.append(request_id)
+    def abandon(self, caller: str) -> list[str]:
+        """Forget `caller`, found dead, and return the requests it owned (to be aborted)."""
+        self._until.pop(caller, None)
+        abandoned = sorted(self._requests.pop(caller, ()))
+        for request_id in abandoned:
+            del self._owner[request_id]
         return abandoned
 
     def owner(self, request_id: str) -> str | None:

@@ -57,8 +57,21 @@ if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the slow tier (tests marked slow: minutes each, e.g. the soak)",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the markers
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--slow"):  # the slow tier is deselected, not skipped
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
     gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

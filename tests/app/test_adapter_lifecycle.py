@@ -23,6 +23,7 @@ from app.fleet import ReplicaReply, ServeFleetClient
 from replicas.adapter_ledger import MemoryLedger
 from replicas.config import EngineConfig
 from replicas.deployment import EngineDeployment, EngineMetrics
+from replicas.engine import Engine
 from replicas.protocol import GenerateChunk, GenerateRequest
 from tests.app.conftest import BASE, FakeMetricsBackend, make_client
 from tests.app.test_management import load, unload
@@ -33,6 +34,37 @@ from tests.replicas.damaged_adapters import AT_ENGINE, damage
 PROMPT = [5, 17, 200, 33]
 MAX_TOKENS = 6
 SLOTS = 2
+
+
+class GatedEngine(Engine):
+    """An engine whose steps a test holds back. `hold` "queued": no step runs, so a new request
+    stays queued; "started": steps run until every request has its first token, then stop, so
+    it stays running; "open": steps run as usual. Held, the engine thread still runs everything
+    else (loads, unloads, stats), so a test keeps a request in flight for as long as it needs
+    instead of hoping to catch it before it finishes. Set through `AsyncEngine.call` (on the
+    engine thread, which also wakes it)."""
+
+    hold: str = "open"
+
+    def set_hold(self, hold: str) -> None:
+        assert hold in ("open", "queued", "started"), hold
+        self.hold = hold
+
+    def held_requests(self, status: str) -> int:
+        """Requests held where `status` ("queued" or "started") holds them."""
+        if status == "queued":
+            return len(self.scheduler.waiting)
+        return sum(bool(r.output_token_ids) for r in self.scheduler.running)
+
+    @property
+    def has_work(self) -> bool:
+        if self.hold == "queued":
+            return False
+        if self.hold == "started":
+            sched = self.scheduler
+            if not sched.waiting and all(r.output_token_ids for r in sched.running):
+                return False
+        return super().has_work
 
 
 class LocalFleet:
@@ -101,7 +133,10 @@ async def app(files, tokenizer):
     config = EngineConfig(
         model=str(model), num_kv_blocks=64, block_size=4, max_lora_rank=8, max_loras_per_batch=SLOTS
     )
-    replicas = [EngineDeployment.func_or_class(config, metrics=EngineMetrics(b)) for b in backends]
+    replicas = [
+        EngineDeployment.func_or_class(config, engine_cls=GatedEngine, metrics=EngineMetrics(b))
+        for b in backends
+    ]
     for i, replica in enumerate(replicas):
         replica.replica_id = f"r{i}"
     fleet = LocalFleet(replicas)
@@ -116,10 +151,14 @@ async def complete(client, model: str):
     return await client.post("/v1/completions", json={**body, "ignore_eos": True})
 
 
-async def until(condition, timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.005)):
-        if await condition():
-            return
+async def until(condition, timeout_s: float = 60.0):
+    """Poll `condition` until it returns something truthy, and return that. The deadline only
+    turns a hang into a failure: what is waited for is bound to happen, so it is generous."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if result := await condition():
+            return result
         await asyncio.sleep(0.005)
     raise AssertionError("condition not met in time")
 
@@ -157,30 +196,40 @@ async def assert_converged(client, fleet: LocalFleet, backends, loaded: dict[str
 
 
 async def test_load_request_unload_reload_a_hundred_times(app, files):
-    """The wedge's recipe, load -> request -> unload -> reload, with the request still running
-    when the unload comes: every reload succeeds and every request gets its version's tokens."""
+    """The wedge's recipe, load -> request -> unload -> reload, with the request still in flight
+    when the unload comes (the engines hold it queued, or running with its first token out, in
+    turn): every unload leaves the old version in use, every reload succeeds and every request
+    gets its version's tokens."""
     client, fleet, backends = app
     _, adapters, expected = files
     keys = ["A", "B"]
+
+    async def hold(state: str) -> None:
+        for replica in fleet.replicas:
+            await replica.engine.call(GatedEngine.set_hold, state)
+
     assert (await load(client, "x", adapters["A"])).status_code == 200
-    overlapped = 0
     for i in range(100):
+        state = ("queued", "started")[i % 2]
+        await hold(state)
         running = asyncio.create_task(complete(client, "x"))
-        replica = fleet.replicas[i % 2]  # round robin: this request's replica
 
-        async def queued(replica=replica) -> bool:
-            stats = await replica.stats()
-            return stats["num_running"] + stats["num_waiting"] > 0
+        async def placed(state=state) -> EngineDeployment | None:
+            for replica in fleet.replicas:
+                if await replica.engine.call(GatedEngine.held_requests, state):
+                    return replica
+            return None
 
-        await until(queued)
+        replica = await until(placed)  # and held there until the engines open
         assert (r := await unload(client, "x")).status_code == 200, r.text
-        overlapped += (await replica.adapters()).get("x", {}).get("unloading", False)
+        status = (await replica.adapters())["x"]
+        assert status["unloading"], (i, state, status)  # the request keeps the old version
         r = await load(client, "x", adapters[keys[(i + 1) % 2]])
         assert r.status_code == 200, (i, r.text)
+        await hold("open")
         done = await running
         assert done.status_code == 200, done.text
-        assert fleet.tokens[done.json()["id"]] == expected[keys[i % 2]], i
-    assert overlapped >= 50  # most unloads came while the request was still running
+        assert fleet.tokens[done.json()["id"]] == expected[keys[i % 2]], (i, state)
     last = await complete(client, "x")
     assert fleet.tokens[last.json()["id"]] == expected["A"]
     await assert_converged(client, fleet, backends, {"x": str(adapters["A"])})

@@ -4,7 +4,6 @@ recording backend, and the control-plane methods the ingress broadcasts."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -46,12 +45,14 @@ async def generate(deployment, request_id: str, adapter: str | None = None):
     return [chunk async for chunk in deployment.generate(request)]
 
 
-async def until(condition, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if condition():
-            return
+async def until(condition, timeout_s: float = 60.0) -> None:
+    """Poll `condition` until it holds. The deadline only turns a hang into a failure: what is
+    waited for is bound to happen (the stats task runs every 10 ms), so it is generous."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 class TestMetrics:
@@ -136,112 +137,10 @@ class TestControlPlane:
     async def test_adapter_report_names_the_replica(self, replica, files):
         deployment, _ = replica
         await deployment.load_adapter("sql", str(files[1]), True)
-        report = await deployment.adapter_report(5.0)
+        report = await deployment.adapter_report(60.0)  # an idle engine answers at once
         assert report["replica_id"] == "local" and report["error"] is None
         assert report["adapters"]["sql"]["pinned"] is True
         assert report["adapters"]["sql"]["tier"] in {"gpu", "loading", "host", "disk"}
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-async def long_replica(tmp_path_factory):
-    """A replica whose requests may run for thousands of tokens, on a clock the test moves."""
-    root = tmp_path_factory.mktemp("long")
-    model = make_model(root / "model", max_position_embeddings=8192)
-    config = EngineConfig(model=str(model), num_kv_blocks=2100, block_size=4, max_model_len=8192)
-    clock = FakeClock()
-    deployment = EngineDeployment.func_or_class(
-        config, metrics=EngineMetrics(FakeMetricsBackend()), clock=clock
-    )
-    yield deployment, clock
-    deployment.__del__()
-
-
-def long_request(request_id: str) -> GenerateRequest:
-    sampling = SamplingParams(max_tokens=8000, temperature=0.0, ignore_eos=True)
-    return GenerateRequest(request_id, [5, 17, 200], sampling)
-
-
-async def idle(deployment) -> dict:
-    async def stats():
-        return await deployment.stats()
-
-    for _ in range(200):
-        current = await stats()
-        if current["num_running"] == current["num_waiting"] == 0:
-            return current
-        await asyncio.sleep(0.01)
-    raise AssertionError("the engine is still running requests")
-
-
-class TestCallerLeases:
-    async def test_a_callers_requests_are_aborted_when_its_lease_lapses(self, long_replica):
-        deployment, clock = long_replica
-        orphan = deployment.generate(long_request("orphan"), "dead-ingress", 2.0)
-        kept = deployment.generate(long_request("kept"), "live-ingress", 2.0)
-        assert (await anext(orphan)).finish_reason is None
-        assert (await anext(kept)).finish_reason is None
-        clock.now += 1.5
-        await deployment.renew_lease("live-ingress", 2.0)
-        clock.now += 1.0  # dead-ingress's lease lapsed at 2.0
-        await deployment.abort_abandoned()
-        chunks = [chunk async for chunk in orphan]
-        assert chunks[-1].finish_reason == "error" and chunks[-1].error.status == 503
-        assert "caller went away" in chunks[-1].error.message
-        stats = await deployment.stats()
-        assert stats["num_running"] == 1  # the live caller's request goes on
-        assert stats["num_abandoned"] == stats["num_aborted"] == 1
-        assert abs(stats["abandoned_at"] - time.time()) < 60  # the wall clock, for benchmarks
-        await kept.aclose()  # its caller hangs up: aborted too, and counted
-        stats = await idle(deployment)
-        assert stats["num_aborted"] == 2 and stats["num_abandoned"] == 1
-        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-        assert stats["num_held_slots"] == 0 and deployment.leases.num_tracked == 0
-
-    async def test_a_live_caller_keeps_its_requests_without_sending_anything(self, long_replica):
-        """Under load a renewal call would queue behind the caller's own requests: liveness is
-        asked of the cluster instead, only for callers whose lease lapsed."""
-        deployment, clock = long_replica
-        asked: list[str] = []
-
-        async def alive(caller: str) -> bool:
-            asked.append(caller)
-            return caller == "live-ingress"
-
-        deployment._caller_alive = alive
-        kept = deployment.generate(long_request("kept"), "live-ingress", 1.0)
-        orphan = deployment.generate(long_request("orphan"), "dead-ingress", 1.0)
-        assert (await anext(kept)).finish_reason is None
-        assert (await anext(orphan)).finish_reason is None
-        await deployment.abort_abandoned()
-        assert asked == []  # no lease lapsed yet: no one is asked
-        for _ in range(3):  # several lapses; the live caller never renews by itself
-            clock.now += 1.5
-            await deployment.abort_abandoned()
-        assert asked.count("dead-ingress") == 1 and asked.count("live-ingress") == 3
-        chunks = [chunk async for chunk in orphan]
-        assert chunks[-1].finish_reason == "error" and chunks[-1].error.status == 503
-        stats = await deployment.stats()
-        assert stats["num_running"] == 1 and stats["num_abandoned"] == 1
-        await kept.aclose()
-        assert (await idle(deployment))["num_aborted"] == 2
-
-    async def test_requests_without_a_caller_are_never_abandoned(self, long_replica):
-        deployment, clock = long_replica
-        stream = deployment.generate(long_request("anonymous"))
-        assert (await anext(stream)).finish_reason is None
-        clock.now += 1000.0
-        await deployment.abort_abandoned()
-        assert (await deployment.stats())["num_running"] == 1
-        await stream.aclose()
-        assert (await idle(deployment))["num_aborted"] == 1
 
 
 class TestRuntimeAdaptersOutliveReplicas:

@@ -107,6 +107,17 @@ class TestLedgerFollower:
             follower.unload(engine, "x", version=31)
         assert e.value.status == 404
 
+    def test_an_unload_of_nothing_the_replica_caught_up_with_first_is_still_404(self):
+        """The ingress writes the unload to the ledger before it broadcasts it: a catch-up in
+        between applies it first. When there was nothing to unload, the broadcast still says
+        so (it once answered 200 to an unload of a name never loaded)."""
+        engine = FakeEngine()
+        follower = LedgerFollower()
+        follower.follow(engine, {"never": AdapterEntry("never", None, 35)})
+        with pytest.raises(Superseded) as e:
+            follower.unload(engine, "never", version=35)
+        assert e.value.status == 404 and "never" in str(e.value)
+
     def test_a_failed_entry_is_retried_and_its_reason_kept(self):
         engine = FakeEngine()
         engine.retired.add("x")  # an unloaded "x" still finishing a request

@@ -1,4 +1,4 @@
-"""Caller leases (replicas/leases.py) on an injected clock."""
+"""Caller leases (replicas/leases.py) on an injected clock: whom to ask after, and when."""
 
 from __future__ import annotations
 
@@ -14,21 +14,30 @@ class FakeClock:
 
 
 class TestCallerLeases:
-    def test_a_caller_that_stops_renewing_loses_its_requests_and_no_one_elses(self):
+    def test_a_lapsed_lease_only_means_ask_again(self):
         clock = FakeClock()
         leases = CallerLeases(clock)
-        leases.track("a1", "ingress-a", 2.0)
-        leases.track("a2", "ingress-a", 2.0)
-        leases.track("b1", "ingress-b", 2.0)
-        for _ in range(6):  # b renews every 0.5 s, a has died
-            clock.now += 0.5
-            leases.renew("ingress-b", 2.0)
-            if clock.now < 102.0:
-                assert leases.expired() == []
-        assert clock.now == 103.0
-        assert leases.expired() == ["a1", "a2"]
-        assert leases.expired() == []  # each abandoned request is reported once
-        assert leases.owner("b1") == "ingress-b" and leases.num_tracked == 1
+        leases.track("a1", "ingress-a", 1.0)
+        leases.track("b1", "ingress-b", 3.0)
+        clock.now += 2.0
+        assert leases.lapsed_callers() == ["ingress-a"]
+        assert leases.owner("a1") == "ingress-a"  # asked after, its request still its own
+        leases.renew("ingress-a", 1.0)  # found alive
+        assert leases.lapsed_callers() == []
+        clock.now += 1.0
+        assert sorted(leases.lapsed_callers()) == ["ingress-a", "ingress-b"]
+        assert leases.num_tracked == 2  # lapsing never drops a request
+
+    def test_a_dead_caller_loses_its_requests_and_no_one_elses(self):
+        clock = FakeClock()
+        leases = CallerLeases(clock)
+        for request_id, caller in (("a2", "a"), ("a1", "a"), ("b1", "b")):
+            leases.track(request_id, caller, 1.0)
+        clock.now += 1.0
+        assert leases.abandon("a") == ["a1", "a2"]
+        assert leases.abandon("a") == []  # each abandoned request is reported once
+        assert leases.owner("b1") == "b" and leases.num_tracked == 1
+        assert leases.lapsed_callers() == ["b"]
 
     def test_a_new_request_renews_its_callers_lease(self):
         clock = FakeClock()
@@ -37,20 +46,21 @@ class TestCallerLeases:
         clock.now += 1.5
         leases.track("r2", "ingress", 2.0)
         clock.now += 1.5
-        assert leases.expired() == []
+        assert leases.lapsed_callers() == []
         clock.now += 0.5
-        assert leases.expired() == ["r1", "r2"]
+        assert leases.lapsed_callers() == ["ingress"]
 
-    def test_released_requests_are_not_aborted(self):
+    def test_only_callers_that_own_requests_are_asked_after(self):
         clock = FakeClock()
         leases = CallerLeases(clock)
-        leases.track("done", "ingress", 1.0)
-        leases.track("running", "ingress", 1.0)
-        leases.release("done")
-        leases.release("done")  # twice: harmless
+        leases.track("r1", "busy", 1.0)
+        leases.track("r2", "idle", 1.0)
+        leases.release("r2")
+        leases.release("r2")  # twice: harmless
         clock.now += 1.0
-        assert leases.expired() == ["running"]
-        assert leases.num_tracked == 0
+        assert leases.lapsed_callers() == ["busy"]
+        leases.track("r3", "idle", 1.0)  # back with a new request: a new lease
+        assert leases.lapsed_callers() == ["busy"]
 
     def test_a_renewal_never_shortens_a_lease(self):
         clock = FakeClock()
@@ -58,38 +68,4 @@ class TestCallerLeases:
         leases.track("r", "ingress", 5.0)
         leases.renew("ingress", 1.0)
         clock.now += 4.0
-        assert leases.expired() == []
-
-    def test_a_caller_back_after_its_lease_lapsed_starts_a_new_one(self):
-        clock = FakeClock()
-        leases = CallerLeases(clock)
-        leases.track("old", "ingress", 1.0)
-        clock.now += 2.0
-        assert leases.expired() == ["old"]
-        leases.renew("ingress", 1.0)
-        leases.track("new", "ingress", 1.0)
-        clock.now += 0.5
-        assert leases.expired() == []
-        assert leases.owner("new") == "ingress"
-
-    def test_lapsed_callers_keep_their_requests_until_expired(self):
-        clock = FakeClock()
-        leases = CallerLeases(clock)
-        leases.track("r1", "a", 1.0)
-        leases.track("r2", "b", 3.0)
-        clock.now += 2.0
-        assert leases.lapsed_callers() == ["a"]
-        assert leases.owner("r1") == "a"  # asked after, not yet abandoned
-        leases.renew("a", 1.0)  # found alive
-        assert leases.lapsed_callers() == [] and leases.expired() == []
-
-    def test_only_lapsed_callers_that_own_requests_are_asked_after(self):
-        clock = FakeClock()
-        leases = CallerLeases(clock)
-        leases.track("r1", "busy", 1.0)
-        leases.track("r2", "idle", 1.0)
-        leases.release("r2")
-        clock.now += 1.0
-        assert leases.lapsed_callers() == ["busy"]
-        assert leases.expired() == ["r1"]  # and the idle caller's lease is forgotten
         assert leases.lapsed_callers() == []
