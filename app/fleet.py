@@ -117,8 +117,10 @@ def caller_id() -> str | None:
     try:
         import ray
 
+        if not ray.is_initialized():  # asking would start a local cluster to say "none"
+            return None
         return ray.get_runtime_context().get_actor_id()
-    except Exception:  # no Ray here, or not connected
+    except Exception:  # no Ray here
         return None
 
 

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jinja2
@@ -130,12 +129,13 @@ class TestByteTokenizer:
 
 
 class TestEnsureDemo:
-    def test_second_call_returns_the_same_assets_without_rebuilding(self, demo):
+    def test_second_call_returns_the_same_assets_without_rebuilding(self, demo, monkeypatch):
         root = demo.model_dir.parent
         before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
-        start = time.perf_counter()
+        builds = []
+        monkeypatch.setattr(demo_module, "_build_demo", lambda *args: builds.append(args))
         again = ensure_demo(root.parent)
-        assert time.perf_counter() - start < 0.5
+        assert builds == []
         assert again == demo
         assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
 
@@ -163,7 +163,13 @@ class TestEnsureDemo:
             subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT)
             for _ in range(2)
         ]
-        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+        try:
+            # A hang guard: each takes about 10 s alone, both together on a loaded machine
+            # minutes.
+            assert [p.wait(timeout=600) for p in procs] == [0, 0]
+        finally:
+            for p in procs:
+                p.kill()
         assert [p.name for p in tmp_path.iterdir()] == [DEMO_VERSION]
         assert_same_demo(demo.model_dir.parent, tmp_path / DEMO_VERSION)
 

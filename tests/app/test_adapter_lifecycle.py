@@ -23,48 +23,17 @@ from app.fleet import ReplicaReply, ServeFleetClient
 from replicas.adapter_ledger import MemoryLedger
 from replicas.config import EngineConfig
 from replicas.deployment import EngineDeployment, EngineMetrics
-from replicas.engine import Engine
 from replicas.protocol import GenerateChunk, GenerateRequest
 from tests.app.conftest import BASE, FakeMetricsBackend, make_client
 from tests.app.test_management import load, unload
 from tests.app.test_routes import assert_openai_error
+from tests.engines import GatedEngine
 from tests.factories import hf_greedy, make_adapter, make_model
 from tests.replicas.damaged_adapters import AT_ENGINE, damage
 
 PROMPT = [5, 17, 200, 33]
 MAX_TOKENS = 6
 SLOTS = 2
-
-
-class GatedEngine(Engine):
-    """An engine whose steps a test holds back. `hold` "queued": no step runs, so a new request
-    stays queued; "started": steps run until every request has its first token, then stop, so
-    it stays running; "open": steps run as usual. Held, the engine thread still runs everything
-    else (loads, unloads, stats), so a test keeps a request in flight for as long as it needs
-    instead of hoping to catch it before it finishes. Set through `AsyncEngine.call` (on the
-    engine thread, which also wakes it)."""
-
-    hold: str = "open"
-
-    def set_hold(self, hold: str) -> None:
-        assert hold in ("open", "queued", "started"), hold
-        self.hold = hold
-
-    def held_requests(self, status: str) -> int:
-        """Requests held where `status` ("queued" or "started") holds them."""
-        if status == "queued":
-            return len(self.scheduler.waiting)
-        return sum(bool(r.output_token_ids) for r in self.scheduler.running)
-
-    @property
-    def has_work(self) -> bool:
-        if self.hold == "queued":
-            return False
-        if self.hold == "started":
-            sched = self.scheduler
-            if not sched.waiting and all(r.output_token_ids for r in sched.running):
-                return False
-        return super().has_work
 
 
 class LocalFleet:

@@ -37,6 +37,13 @@ class FakeHandle:
         return FakeBroadcast(answers)
 
 
+@pytest.fixture(autouse=True)
+def outside_ray(monkeypatch):
+    """Asked outside an actor, Ray would start a local cluster (seconds of both cores) to say
+    that this process has no actor id."""
+    monkeypatch.setattr("app.fleet.caller_id", lambda: None)
+
+
 def accepts(method, *args):
     return None
 

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from benchmarks.loadgen import client, runner
 from tests.benchmarks.fake_server import FakeConfig, serve
+from tests.benchmarks.virtual_time import VirtualTimeLoop
 
 
 @pytest.fixture(scope="module")
@@ -11,3 +15,16 @@ def fake_url():
     server start their own with `serve()`."""
     with serve(FakeConfig()) as (url, _):
         yield url
+
+
+@pytest.fixture
+def virtual(monkeypatch):
+    """A virtual-time event loop (tests/benchmarks/virtual_time.py) whose clock the load
+    generator's sender and client read as `time.perf_counter`: run a coroutine on it with
+    `virtual.run_until_complete(...)`."""
+    loop = VirtualTimeLoop()
+    for module in (runner, client):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=loop.time))
+    yield loop
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()

@@ -5,6 +5,9 @@ Each request streams `max_tokens` tokens: the first after `first_token_delay_s`,
 chunks of `tokens_per_chunk`, each chunk `token_delay_s` per token after the previous one. With
 `capacity`, at most that many requests stream at once and the others queue for their turn, so
 latency grows with the offered load.
+
+`FakeTransport` answers the same completions without a server: on a virtual-time loop
+(tests/benchmarks/virtual_time.py) a client's timings then come out exactly as configured.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,7 +51,6 @@ class FakeState:
 
 def make_app(config: FakeConfig, state: FakeState) -> FastAPI:
     app = FastAPI()
-    served = {BASE, *config.adapters, BROKEN}
     turns = asyncio.Semaphore(config.capacity) if config.capacity else None
 
     @app.get("/v1/models")
@@ -66,16 +70,10 @@ def make_app(config: FakeConfig, state: FakeState) -> FastAPI:
             return {"loads_total": sum(state.requests_by_model.values()), "adapters": rows}
 
     async def generate(request: Request, chat: bool):
-        body = await request.json()
-        state.bodies.append(body)
-        if body["model"] not in served:
-            error = {"message": f"model {body['model']!r} not found", "type": "NotFoundError"}
-            return JSONResponse({"error": error}, status_code=404)
-        state.requests_by_model[body["model"]] += 1
-        events = _events(config, body, chat)
-        if turns is not None:
-            events = _in_turn(turns, events)
-        return StreamingResponse(events, media_type="text/event-stream")
+        status, answer = _completion(config, state, turns, await request.json(), chat)
+        if status != 200:
+            return JSONResponse(answer, status_code=status)
+        return StreamingResponse(answer, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -86,6 +84,53 @@ def make_app(config: FakeConfig, state: FakeState) -> FastAPI:
         return await generate(request, chat=True)
 
     return app
+
+
+class FakeTransport(httpx.AsyncBaseTransport):
+    """The fake's completions in the client's own event loop, for `OpenAIClient(transport=...)`
+    (other routes are not served)."""
+
+    def __init__(self, config: FakeConfig | None = None) -> None:
+        self.config = config or FakeConfig()
+        self.state = FakeState()
+        self._turns = asyncio.Semaphore(self.config.capacity) if self.config.capacity else None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(await request.aread())
+        chat = request.url.path.endswith("/chat/completions")
+        status, answer = _completion(self.config, self.state, self._turns, body, chat)
+        if status != 200:
+            return httpx.Response(status, json=answer)
+        headers = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=headers, stream=_EventStream(answer))
+
+
+class _EventStream(httpx.AsyncByteStream):
+    """A response body of events. Closed by a client that stops reading (at `[DONE]`), it ends
+    the events, and with them the request's turn, as a server does when the connection goes."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        self._events = events
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for event in self._events:
+            yield event.encode()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+def _completion(
+    config: FakeConfig, state: FakeState, turns: asyncio.Semaphore | None, body: dict, chat: bool
+) -> tuple[int, dict | AsyncIterator[str]]:
+    """(404, the error body) for a model not served, else (200, the stream's events)."""
+    state.bodies.append(body)
+    if body["model"] not in {BASE, *config.adapters, BROKEN}:
+        error = {"message": f"model {body['model']!r} not found", "type": "NotFoundError"}
+        return 404, {"error": error}
+    state.requests_by_model[body["model"]] += 1
+    events = _events(config, body, chat)
+    return 200, events if turns is None else _in_turn(turns, events)
 
 
 async def _events(config: FakeConfig, body: dict, chat: bool) -> AsyncIterator[str]:
@@ -145,11 +190,10 @@ def serve(config: FakeConfig | None = None) -> Iterator[tuple[str, FakeState]]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        for _ in range(500):
-            if server.started:
-                break
+        deadline = time.monotonic() + 60  # it starts in milliseconds: only a hang guard
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the fake did not start"
             threading.Event().wait(0.01)
-        assert server.started, "the fake server did not start"
         yield f"http://127.0.0.1:{port}", state
     finally:
         server.should_exit = True

@@ -30,7 +30,7 @@ from benchmarks.serve_roofline import (
 from benchmarks.serve_workloads import Stream, streams
 from replicas.engine import Engine
 from replicas.models.spec import ModelSpec
-from tests.benchmarks.fake_server import FakeConfig, serve
+from tests.benchmarks.fake_server import FakeConfig, FakeTransport, serve
 
 
 def summary_of(ttft_p99_ms: float, itl_p99_ms: float, failed: int = 0) -> dict:
@@ -116,26 +116,25 @@ class TestGoodputSearch:
             below = asyncio.run(search(measure, 1.0, 8.0, steps=3))
             assert below.rate is None and below.bracket == (0.0, 1.0)
 
-    def test_against_a_server_that_queues_beyond_its_capacity(self):
-        # One request at a time, 0.3 s each (8 tokens): about 3 req/s at most. Sent all at once,
-        # the 8th waits 7 x 0.3 s, over the 2 s objective whatever the machine's load; at 3 req/s
-        # TTFT P99 is about 0.7 s, which leaves 1.3 s for a loaded test machine's delays.
+    def test_against_a_server_that_queues_beyond_its_capacity(self, virtual):
+        # One request at a time, 0.3 s each (8 tokens): about 3 req/s at most. On the virtual
+        # clock the fake's times are exact: sent all at once, the 8th waits 7 x 0.3 s, over the
+        # 2 s objective; at 3 req/s these arrivals' TTFT P99 is about 0.7 s.
         fake = FakeConfig(first_token_delay_s=0.25, token_delay_s=0.007, capacity=1)
         specs = streams(parse_args(["--smoke"]).spec, ["ad-0", "ad-1"], 0, 30.0)[0].specs[:8]
         stream = Stream("fake", specs, LoadConfig(timeout_s=30.0))
         objectives = Objectives(ttft_p99_ms=2000.0, itl_p99_ms=2000.0)
 
         async def run() -> object:
-            with serve(fake) as (url, _):
-                async with OpenAIClient(url) as client:
+            async with OpenAIClient("http://fake", transport=FakeTransport(fake)) as client:
 
-                    async def measure(rate: float) -> dict:
-                        result = await run_load(client, stream.specs, stream.at(rate).load)
-                        return summarize(result.records, result.duration_s)
+                async def measure(rate: float) -> dict:
+                    result = await run_load(client, stream.specs, stream.at(rate).load)
+                    return summarize(result.records, result.duration_s)
 
-                    return await search(measure, 3.0, 1000.0, steps=0, objectives=objectives)
+                return await search(measure, 3.0, 1000.0, steps=0, objectives=objectives)
 
-        found = asyncio.run(run())
+        found = virtual.run_until_complete(run())
         high, low = found.points
         assert high.rate == 1000.0 and not high.passed
         assert high.summary["ttft_ms"]["p99"] > 2000.0 and high.summary["failed"] == 0
@@ -150,7 +149,8 @@ class TestInProcessDriver:
         model_dir = write_model(tmp_path, TINY)
         names = ["lora-0", "lora-1"]
         fleet = write_fleet(tmp_path, ModelSpec.from_dir(model_dir), names, rank=4)
-        work = streams(args.spec, names, seed=3, timeout_s=30.0)[0]
+        # The run's timeout only turns a hang into a failure (5 requests over ~0.1 s): generous.
+        work = streams(args.spec, names, seed=3, timeout_s=600.0)[0]
         work = work.at(40.0)  # Poisson: arrivals spread over ~0.1 s
         with serve(FakeConfig(adapters=tuple(names))) as (url, state):
 

@@ -15,6 +15,7 @@ from replicas.deployment import EngineDeployment, EngineMetrics, GcsLiveness
 from replicas.protocol import GenerateRequest
 from replicas.request import SamplingParams
 from tests.app.conftest import FakeMetricsBackend
+from tests.engines import GatedEngine
 from tests.factories import make_model
 
 LEASE_S = 0.5
@@ -57,19 +58,24 @@ def model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("long") / "model", max_position_embeddings=8192)
 
 
+async def held_replica(model, **kwargs) -> EngineDeployment:
+    """A replica whose requests stop stepping once they have their first token: they run
+    until their caller closes them or the replica aborts them, however slow the machine."""
+    config = EngineConfig(model=str(model), num_kv_blocks=2100, block_size=4, max_model_len=8192)
+    deployment = EngineDeployment.func_or_class(
+        config, engine_cls=GatedEngine, metrics=EngineMetrics(FakeMetricsBackend()), **kwargs
+    )
+    await deployment.engine.call(GatedEngine.set_hold, "started")
+    return deployment
+
+
 @pytest.fixture
 async def fleet(model):
-    """A replica whose requests run for thousands of tokens, on a clock the test moves, with a
-    fake cluster answering whether its callers are alive."""
-    config = EngineConfig(model=str(model), num_kv_blocks=2100, block_size=4, max_model_len=8192)
+    """A held replica on a clock the test moves, with a fake cluster answering whether its
+    callers are alive."""
     clock = FakeClock()
     cluster = FakeCluster(clock)
-    deployment = EngineDeployment.func_or_class(
-        config,
-        metrics=EngineMetrics(FakeMetricsBackend()),
-        clock=clock,
-        dead_callers=cluster.dead_callers,
-    )
+    deployment = await held_replica(model, clock=clock, dead_callers=cluster.dead_callers)
     deployment._lease_task.cancel()  # the test sweeps by hand, on its own clock
     yield deployment, clock, cluster
     deployment.__del__()
@@ -167,11 +173,8 @@ class TestLiveCallersKeepTheirRequests:
 
     async def test_without_a_liveness_check_nothing_is_abandoned(self, model):
         """Built outside Serve, nothing can say a caller died: its requests run to the end."""
-        config = EngineConfig(model=str(model), num_kv_blocks=2100, block_size=4)
         clock = FakeClock()
-        deployment = EngineDeployment.func_or_class(
-            config, metrics=EngineMetrics(FakeMetricsBackend()), clock=clock
-        )
+        deployment = await held_replica(model, clock=clock)
         try:
             stream = await start(deployment, "r", "ingress")
             await sweep(deployment, clock, 3, step_s=1000.0)

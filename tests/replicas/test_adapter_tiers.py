@@ -519,6 +519,7 @@ def test_disk_reads_run_one_at_a_time_soonest_need_first(models, fleet):
         return read(adapter, path)
 
     manager.reader.read_file = gated_read
+    manager.reader.turns.clock = lambda: 0.0  # no read counts as stuck, however slow
     now = time.monotonic()
     manager.tick([("ad2", now + 3.0), ("ad1", now + 1.0)], now=now)
     manager.tick([("ad0", now + 0.5)], now=now)  # sooner than ad2, but ad1's read has begun
@@ -538,7 +539,8 @@ def test_a_read_stuck_on_its_file_does_not_hold_the_others(models, fleet, monkey
     read starts and completes beside it."""
     engine = fleet_engine(models, fleet)
     manager = engine.adapters
-    monkeypatch.setattr(manager.reader.turns, "stall_s", 0.2)
+    clock = [0.0]  # the read turns' clock: ad1's read runs past its stall time when moved
+    monkeypatch.setattr(manager.reader.turns, "clock", lambda: clock[0])
     hung, read = threading.Event(), manager.reader.read_file
 
     def stuck_read(adapter, path):
@@ -550,8 +552,10 @@ def test_a_read_stuck_on_its_file_does_not_hold_the_others(models, fleet, monkey
     try:
         now = time.monotonic()
         manager.tick([("ad1", now), ("ad2", now + 1.0)], now=now)
+        manager.tick([], now=now)
         assert manager.reader.reading() == ["ad1"]  # ad2 waits its turn...
-        deadline = time.monotonic() + 30
+        clock[0] += manager.reader.turns.stall_s
+        deadline = time.monotonic() + 60  # a hang guard: ad2's read takes milliseconds
         while manager.status()["ad2"]["tier"] not in ("gpu", "host"):
             assert time.monotonic() < deadline
             manager.tick([], now=now)

@@ -6,10 +6,15 @@ names are unloaded at run time (some in use, which then finish on the weights th
 and loaded again, on the same or another adapter's files. Every request that completes has
 exactly PEFT's greedy tokens; an aborted one has a prefix of them and frees its blocks at once;
 in the end every KV block and adapter slot is free.
+
+Adapter reads run on a pool the test drives (`ReadsInTurns`): each lands a seeded number of loop
+turns after it starts, so reads are in flight across steps as on the reader's threads, but at the
+same steps in every run. With real threads the workload depended on how fast the machine read,
+and so did what it did (its preemptions, aborts and swaps, checked at the end).
 """
 
 import random
-import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -49,6 +54,35 @@ def expected(models, folders):
     return peft_greedy_table(models["llama"], folders, PROMPTS, MAX_TOKENS)
 
 
+class ReadsInTurns:
+    """The adapter reader's pool (`AdapterReader._pool`), run by the test: a read submitted
+    lands (runs, and its future is set) at the 1st to 4th call of `turn()`, drawn from `rng`."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.pending: list[list] = []  # [turns left, future, fn, args]
+
+    def submit(self, fn, *args) -> Future:
+        future = Future()
+        self.pending.append([self.rng.randint(0, 3), future, fn, args])
+        return future
+
+    def turn(self) -> None:
+        for read in list(self.pending):
+            read[0] -= 1
+            if read[0] >= 0:
+                continue
+            self.pending.remove(read)
+            _, future, fn, args = read
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        self.pending.clear()
+
+
 def assert_blocks_accounted(engine) -> None:
     """Every KV block is free or owned by exactly one unfinished request."""
     owned = [b for r in engine.scheduler.requests() for b in r.block_table]
@@ -73,6 +107,8 @@ def test_random_workload_matches_peft(models, folders, expected, seed):
         block_size=4,
         kv_reserve_ratio=0.0,  # admit whenever a chunk fits: running requests get preempted
     )
+    reads = engine.adapters.reader._pool = ReadsInTurns(random.Random(seed + 100))
+    engine.adapters.reader.turns.clock = lambda: 0.0  # no read ever counts as stuck
     served = {name: name for name in folders}  # served name -> the folder it reads
     requests: dict[str, tuple[Request, str | None, int]] = {}  # id -> (request, folder, prompt)
     tokens: dict[str, list[int]] = {}
@@ -115,9 +151,9 @@ def test_random_workload_matches_peft(models, folders, expected, seed):
         swaps += in_use and folder != old
         served[name] = folder
 
-    deadline = time.monotonic() + 120
-    while len(requests) < NUM_REQUESTS or engine.has_work:
-        assert time.monotonic() < deadline, "the engine did not drain"
+    for _ in range(10_000):  # under a hundred turns drain it; more is a livelock
+        if len(requests) >= NUM_REQUESTS and not engine.has_work:
+            break
         if len(requests) < NUM_REQUESTS:
             for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
                 arrive()
@@ -132,8 +168,9 @@ def test_random_workload_matches_peft(models, folders, expected, seed):
                 assert out.finish_reason == "length", out
                 finished.add(out.request_id)
         assert_blocks_accounted(engine)
-        if engine.stalled:
-            time.sleep(0.001)  # only adapter reads are in flight
+        reads.turn()
+    else:
+        raise AssertionError("the engine did not drain")
 
     for rid, (request, folder, p) in requests.items():
         want = expected[folder, p]

@@ -96,13 +96,20 @@ class Clock:
         return self.now
 
 
+async def until(condition, timeout_s: float = 60.0) -> None:
+    """Poll `condition` until it holds. The deadline only turns a hang into a failure: what is
+    waited for is bound to happen (a lookup on a worker thread, a task's next turn)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
 async def ready_sender(board, clock=None, interval_s=0.5) -> HintSender:
     sender = HintSender(lambda: board, interval_s=interval_s, clock=clock or Clock())
     sender.send("warmup", "nobody")  # starts the lookup, drops this hint
-    for _ in range(100):
-        if sender.board is not None:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: sender.board is not None)
     assert sender.board is board
     return sender
 
@@ -290,15 +297,12 @@ class TestHints:
         clock = Clock()
         sender = HintSender(lookup, clock=clock, retry_s=1.0)
         assert sender.send("a", "r0") is False
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(sender._looking_up, 60)  # the lookup failed (a hang guard)
         assert sender.send("a", "r0") is False  # the next lookup waits retry_s
-        assert len(lookups) == 1
+        assert len(lookups) == 1 and sender._looking_up is None
         clock.now += 1.5
         sender.send("a", "r0")
-        for _ in range(100):
-            if sender.board is not None:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: sender.board is not None)
         assert sender.send("a", "r0") is True
         assert board.posts == [("r0", "a", 0.0)]
 
@@ -306,8 +310,7 @@ class TestHints:
         board = FakeBoard(error=RuntimeError("actor died"))
         sender = await ready_sender(board)
         assert sender.send("a", "r0") is True
-        await asyncio.sleep(0.05)
-        assert sender.board is None
+        await until(lambda: sender.board is None)  # once the post's failure is seen
 
     async def test_routing_never_fails_over_a_hint(self):
         class Exploding:
@@ -340,11 +343,11 @@ class TestHintBoard:
 
     async def test_take_waits_for_a_hint(self):
         board = HintBoard()
-        waiter = asyncio.create_task(board.take("r0", 5.0))
-        await asyncio.sleep(0.01)
+        waiter = asyncio.create_task(board.take("r0", 60.0))  # longer than the test by far
+        await asyncio.sleep(0.01)  # in this loop: the waiter runs up to its wait
         assert not waiter.done()
         await board.post("r0", "a")
-        assert await asyncio.wait_for(waiter, 1.0) == [("a", 0.0)]
+        assert await asyncio.wait_for(waiter, 60.0) == [("a", 0.0)]  # a hang guard
 
     async def test_pending_hints_are_bounded(self):
         board = HintBoard(max_per_replica=3)
@@ -382,10 +385,7 @@ class TestHintBoard:
             follow_hints("r0", get_board, deliver, poll_timeout_s=0.05, retry_s=0.01)
         )
         await board.post("r0", "a")
-        for _ in range(200):
-            if delivered:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: delivered)
         task.cancel()
         assert delivered == [[("a", 0.0)]]
         assert len(gets) == 2
@@ -540,7 +540,7 @@ class TestRoutingStats:
         first = await deployment.record_routing_stats()
 
         async def never(*args):
-            await asyncio.sleep(10)
+            await asyncio.Event().wait()
 
         monkeypatch.setattr(deployment.engine, "call", never)
         monkeypatch.setattr(module, "ROUTING_STATS_TIMEOUT_S", 0.01)
