@@ -216,9 +216,11 @@ def test_client_disconnect_aborts_the_request(server):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # one chunk, then hang up
-    every, waited = _wait(lambda every: all(_idle(s) for s in every), timeout_s=5.0)
+    every, waited = _wait(lambda every: all(_idle(s) for s in every), timeout_s=60.0)
     assert len(every) == 2 and all(_idle(s) for s in every), every
-    assert waited < 2.0, f"the engine stopped {waited:.1f} s after the client hung up"
+    # Left alone it would run for minutes; the abort is counted below. The bound is far above
+    # the fraction of a second an abort takes, so a loaded machine's slow stats reads pass.
+    assert waited < 30.0, f"the engine stopped {waited:.1f} s after the client hung up"
     assert _total(every, "num_aborted") == aborted + 1
 
 
@@ -281,7 +283,9 @@ def test_unload_during_a_long_stream(server):
     body = {
         "model": "long",
         "prompt": [5, 17],
-        "max_tokens": 120,
+        # Hundreds of steps while the unload and a stats read take a few: the request is still
+        # running when they land, however slow the machine (they slow down alike).
+        "max_tokens": 400,
         "stream": True,
         "ignore_eos": True,
         "temperature": 0,
@@ -308,7 +312,7 @@ def test_unload_during_a_long_stream(server):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all("error" not in c for c in chunks)
-    assert chunks[-1]["usage"]["completion_tokens"] == 120
+    assert chunks[-1]["usage"]["completion_tokens"] == 400
     assert any(c["choices"] and c["choices"][0]["finish_reason"] == "length" for c in chunks)
     models = {m["id"] for m in httpx.get(server["url"] + "/v1/models", timeout=30).json()["data"]}
     assert "long" not in models
