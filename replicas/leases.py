@@ -25,7 +25,8 @@ class CallerLeases:
     """Leases by caller id, and the requests each caller owns.
 
     `track` records a request and renews its caller's lease (a new request is proof of life);
-    `renew` extends a caller's lease (it was found alive); `release` forgets a request that
+    `renew` extends the lease of a caller that owns requests (it was found alive, perhaps after
+    its last request ended: then nothing is kept); `release` forgets a request that
     ended, and its caller once it owns none. `lapsed_callers` lists the callers to ask after;
     `abandon` forgets a caller found dead and returns its requests.
     """
@@ -37,12 +38,14 @@ class CallerLeases:
         self._owner: dict[str, str] = {}  # request id -> caller
 
     def renew(self, caller: str, ttl_s: float) -> None:
+        if caller not in self._requests:  # it owns nothing (any more): nothing to ask after
+            return
         self._until[caller] = max(self._until.get(caller, 0.0), self.clock() + ttl_s)
 
     def track(self, request_id: str, caller: str, ttl_s: float) -> None:
-        self.renew(caller, ttl_s)
         self._owner[request_id] = caller
         self._requests.setdefault(caller, set()).add(request_id)
+        self.renew(caller, ttl_s)
 
     def release(self, request_id: str) -> None:
         caller = self._owner.pop(request_id, None)
