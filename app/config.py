@@ -83,6 +83,15 @@ class AppArgs(BaseModel):
             "for benchmarks; the text is gibberish."
         ),
     )
+    timed_steps: str | None = Field(
+        default=None,
+        description=(
+            "A step calibration (the JSON `python -m sim.calibrate` writes on a GPU): the engine "
+            "runs no model, each step takes the calibrated GPU time and samples fixed tokens, on "
+            "CPU. For measuring the serving path's own costs without a GPU; the text is "
+            "gibberish."
+        ),
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
         description="Weight and activation dtype. auto: bfloat16 on cuda, float32 on cpu.",
@@ -90,11 +99,11 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(
         default=1, ge=1, description="Engine replicas (one GPU each on cuda)."
     )
-    num_ingress_replicas: int = Field(
-        default=1,
+    num_ingress_replicas: int | None = Field(
+        default=None,
         ge=1,
         description="HTTP ingress replicas (CPU: validation, chat templates, tokenization, "
-        "streaming). One streams about 1,500 tokens/s: on GPUs, 2-4 per engine replica.",
+        "streaming). null: 1 on CPU, 2 per engine replica on GPUs.",
     )
     max_loras_per_batch: int = Field(
         default=8, ge=1, description="GPU adapter slots per engine replica."
@@ -181,6 +190,15 @@ class AppArgs(BaseModel):
             "the device, not the host, sets their pace. 0: prefill steps always run eagerly."
         ),
     )
+    stream_interval_ms: float = Field(
+        default=50.0,
+        ge=0.0,
+        description=(
+            "After a stream's first token (sent at once), its tokens go out at most once per "
+            "interval, as one chunk (the last at once). Each chunk costs CPU in the engine "
+            "replica, the ingress and Serve's proxy. 0: every step's tokens as they come."
+        ),
+    )
     max_ongoing_requests: int = Field(
         default=256,
         ge=1,
@@ -227,7 +245,7 @@ class AppArgs(BaseModel):
         description="Where the demo is built. Default: $LORAFLEET_CACHE or ~/.cache/lorafleet.",
     )
 
-    @field_validator("model", "served_model_name", "adapter_root", "demo_cache_dir")
+    @field_validator("model", "served_model_name", "adapter_root", "demo_cache_dir", "timed_steps")
     @classmethod
     def _non_empty(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
@@ -276,6 +294,8 @@ class AppArgs(BaseModel):
         if self.model is not None:
             # The demo (model null) brings adapters of its own: build_app checks after merging.
             check_pinned(self.pinned_adapters, self.adapters)
+        if self.timed_steps is not None and self.device == "cuda":
+            raise ValueError("timed_steps stand in for a GPU: they run on device cpu")
         if self.adapter_loading == "prefetch" and not self.enable_prefetch:
             raise ValueError("adapter_loading prefetch contradicts enable_prefetch false")
         if self.max_loaded_loras < self.max_loras_per_batch:
@@ -303,6 +323,12 @@ class AppArgs(BaseModel):
         if self.api_key is not None:
             return self.api_key.get_secret_value()
         return os.environ.get(API_KEY_ENV) or None
+
+    def ingress_replicas(self, device: str) -> int:
+        """num_ingress_replicas, or its default on `device` ("cpu" or "cuda")."""
+        if self.num_ingress_replicas is not None:
+            return self.num_ingress_replicas
+        return 2 * self.num_replicas if device == "cuda" else 1
 
     @property
     def loading_mode(self) -> str:
@@ -337,6 +363,8 @@ class AppArgs(BaseModel):
             adapter_loading=self.loading_mode,
             pinned_adapters=tuple(self.pinned_adapters),
             eviction_policy=self.eviction_policy,
+            timed_steps=self.timed_steps,
+            stream_interval_s=self.stream_interval_ms / 1000,
         )
 
 

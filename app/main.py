@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             "served_model_name": given.base_model_name,
             "adapters": {name: _absolute(path) for name, path in adapters.items()},
             "adapter_root": _absolute(given.adapter_root) if given.adapter_root else None,
+            "timed_steps": _absolute(given.timed_steps) if given.timed_steps else None,
             "runtime_adapter_dirs": [
                 _absolute(folder)
                 for folder in given.runtime_adapter_dirs or source.runtime_adapter_dirs
@@ -66,7 +68,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     )
     check_adapters(args.adapters, args.max_lora_rank)
     check_pinned(args.pinned_adapters, args.adapters)
-    device = resolve_device(args.device)
+    device = "cpu" if args.timed_steps is not None else resolve_device(args.device)
     logger.info(
         "serving %s from %s on %s with %d adapter(s)",
         args.base_model_name,
@@ -80,8 +82,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         "max_ongoing_requests": args.max_ongoing_requests,
         "request_router_config": request_router_config(args),
     }
+    actor_options: dict[str, Any] = {"runtime_env": {"env_vars": replica_env()}}
     if device == "cuda":
-        engine_options["ray_actor_options"] = {"num_gpus": 1}
+        actor_options["num_gpus"] = 1
+    engine_options["ray_actor_options"] = actor_options
     engine = EngineDeployment.options(**engine_options).bind(
         args.to_engine_config(source.model_dir, device), prepare=source.prepare
     )
@@ -98,9 +102,27 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     )
     # The ingress only streams; it should never be what limits the fleet's concurrency.
     return Ingress.options(
-        num_replicas=args.num_ingress_replicas,
+        ray_actor_options={"runtime_env": {"env_vars": replica_env()}},
+        num_replicas=args.ingress_replicas(device),
         max_ongoing_requests=args.max_ongoing_requests * args.num_replicas,
     ).bind(engine, settings, str(source.model_dir), prepare=source.prepare)
+
+
+# Ray Serve settings each replica reads at start (the part of RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+# a replica's environment can carry; the proxy and controller read theirs from the environment
+# `serve run` starts in): calls between replicas go over gRPC, and the garbage collector is
+# frozen after start. Throughput mode also runs user code on the replica's main loop; with that,
+# a killed ingress's requests were not aborted by the engines' lease sweep and ran on for 3 s
+# (tests/e2e/test_serve.py's chaos test: 0.7 s with the default), so user code keeps its loop.
+REPLICA_ENV = {
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+}
+
+
+def replica_env() -> dict[str, str]:
+    """REPLICA_ENV, less what the environment building the app already sets (a user's choice)."""
+    return {name: value for name, value in REPLICA_ENV.items() if name not in os.environ}
 
 
 # Ray Serve's own router: power of two choices, preferring replicas that report the request's

@@ -89,7 +89,7 @@ class ChaosLog:
     whole_again: dict[str, float] = field(default_factory=dict)  # what -> when fleet recovered
     samples: list[tuple[float, int, bool]] = field(default_factory=list)  # (t, engines, http up)
     orphans: int = 0  # long streams running in an engine when the ingress was killed
-    orphan_abort_s: float | None = None  # ingress kill -> its orphans aborted in the engines
+    orphan_abort_s: float | None = None  # ingress kill -> its requests ended in the engines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +107,16 @@ def replica_pids(app: str, deployment: str) -> list[int]:
         if args.startswith(title):
             pids.append(int(pid))
     return sorted(pids)
+
+
+def actor_id_of(pid: int) -> str | None:
+    """The Ray actor id of a live (or just killed) actor process of this cluster."""
+    from ray._private import state
+
+    for actor_id, actor in state.actors().items():
+        if actor.get("Pid") == pid:
+            return actor_id
+    return None
 
 
 def kill_9(app: str, deployment: str, rng: random.Random) -> int:
@@ -251,14 +261,12 @@ async def kill_loop(
 ) -> None:
     """Kill each deployment's replica at its time. Before the ingress, start `plan.orphans`
     long streams and wait for the engines to run them; after it, time how long the engines take
-    to abort them (`log.orphan_abort_s`: their lease lapses)."""
+    to end them (`log.orphan_abort_s`: its transport closes, or its lease lapses)."""
     kills = [(plan.kill_engine_at, ENGINE), (plan.kill_ingress_at, INGRESS)]
     orphans: list[asyncio.Task] = []
     for at, deployment in sorted((k for k in kills if k[0] is not None), key=lambda k: k[0]):
         await asyncio.sleep(max(0.0, t0 + at * plan.duration_s - time.monotonic()))
-        abandoned = 0
         if deployment == INGRESS and plan.orphans:
-            abandoned = total(await fleet_stats(app), "num_abandoned")
             running = [asyncio.Event() for _ in range(plan.orphans)]
             orphans = [asyncio.create_task(orphan(url, plan, log, e)) for e in running]
             try:  # each has its first tokens: it runs in an engine
@@ -266,18 +274,22 @@ async def kill_loop(
             except TimeoutError:
                 pass
             log.orphans = sum(e.is_set() for e in running)
-        await asyncio.to_thread(kill_9, app, deployment, rng)
+        pid = await asyncio.to_thread(kill_9, app, deployment, rng)
         killed = log.kills[deployment] = time.monotonic()
         killed_wall = time.time()
         if deployment == INGRESS and log.orphans:
-            while time.monotonic() < killed + 30.0:
+            dead = await asyncio.to_thread(actor_id_of, pid)
+            while dead is not None and time.monotonic() < killed + 30.0:
                 stats = await fleet_stats(app)
-                if total(stats, "num_abandoned") >= abandoned + log.orphans:
-                    # When the engines aborted them, by their own clock (same host): reading
-                    # the stats under this load lags by a second or more.
-                    at = max(s["abandoned_at"] for s in stats if s.get("abandoned_at"))
-                    log.orphan_abort_s = at - killed_wall
-                    break
+                if stats and all(dead not in s.get("callers", {}) for s in stats):
+                    # Every request of the dead ingress ended in the engines, whichever way (its
+                    # transport closed, or its lease lapsed and the GCS said dead): when, by the
+                    # engines' own clock (same host; reading the stats under load lags).
+                    ended = [s["caller_done_at"][dead] for s in stats
+                             if dead in s.get("caller_done_at", {})]  # fmt: skip
+                    if ended:
+                        log.orphan_abort_s = max(ended) - killed_wall
+                        break
                 await asyncio.sleep(0.05)
     await asyncio.gather(*orphans)
 

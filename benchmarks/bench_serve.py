@@ -68,7 +68,7 @@ import torch
 import yaml
 
 from app.config import AppArgs
-from benchmarks.bench_churn import write_fleet
+from benchmarks.bench_churn import TINY, write_fleet
 from benchmarks.bench_router_serve import adapter_names, add_run_options, write_model
 from benchmarks.common import device_name
 from benchmarks.loadgen import RequestSpec, summarize
@@ -89,6 +89,11 @@ from benchmarks.serve_workloads import (
     warmup_specs,
 )
 from replicas.models.spec import ModelSpec
+
+# The H200 step calibration `python -m sim.calibrate` measured (Llama-3-8B shapes, rank 16).
+CALIBRATION = Path(__file__).parent / "results" / "sim_calibration.json"
+TINY_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim")  # fmt: skip
 
 
 def in_process(
@@ -161,6 +166,14 @@ def dtype_bytes(app: AppArgs, device: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
+def timed(wl: Workload) -> Workload:
+    """The workload for timed steps: the same requests, adapters and vocabulary, with hidden
+    sizes so small that adapter weights cost nothing on CPU (the steps' time comes from the
+    calibration, not from these shapes)."""
+    small = {k: TINY[k] for k in TINY_DIMS}
+    return replace(wl, model={**wl.model, **small}, shape=f"{wl.shape}, timed steps")
+
+
 def parse_set(items: Sequence[str]) -> dict[str, Any]:
     """`KEY=VALUE` pairs, each VALUE read as YAML (`max_num_seqs=256`, `router=pow2`)."""
     out = {}
@@ -185,13 +198,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="an AppArgs field (the YAML's args:), e.g. --set max_num_seqs=256",
     )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="py-spy samples each serving process during the first stream (collapsed stacks)",
+    )
+    ap.add_argument(
+        "--http-only", action="store_true", help="skip the in-process run (profiling the path)"
+    )
+    ap.add_argument(
+        "--timed",
+        nargs="?",
+        const=str(CALIBRATION),
+        default=None,
+        metavar="CALIBRATION",
+        help="no GPU: the engine's steps take the calibrated GPU time (sim.calibrate's JSON, "
+        f"default {CALIBRATION}) with the workload's shapes made tiny, on CPU",
+    )
     add_run_options(ap, "bench_serve", 900.0, "CPU, tiny model, a handful of requests")
     args = ap.parse_args(argv)  # fmt: skip
     wl = (SMOKE if args.smoke else WORKLOADS)[args.workload]
     if args.num_requests is not None:
         wl = replace(wl, num_requests=args.num_requests)
-    args.spec = wl
     args.overrides = parse_set(args.set)
+    if args.timed is not None:
+        wl = timed(wl)
+        args.overrides.setdefault("timed_steps", str(Path(args.timed).resolve()))
+        args.device = "cpu"
+    args.spec = wl
     if args.smoke and args.device == "auto":
         args.device = "cpu"
     if args.device == "auto":
@@ -200,6 +235,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error(f"{args.replicas} replicas need as many GPUs; {torch.cuda.device_count()} seen")
     if args.name is None:
         args.name = args.workload + (f"_{args.replicas}x" if args.replicas > 1 else "")
+        args.name += "_timed" if args.timed is not None else ""
         args.name += "_smoke" if args.smoke else ""
     return args
 
@@ -244,7 +280,14 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "roofline": {label: roof.to_json() for label, roof in roofs.items()},
         "digests": {s.label: workload_digest(s.specs) for s in http.streams},
     }
-    if args.device == "cpu":
+    if args.timed is not None:
+        meta["note"] = (
+            "timed steps: every engine step takes the time the calibration's GPU took for it "
+            "and runs no model; everything else (Serve, proxy, ingress, engine replica, "
+            "scheduler, adapter manager) is real and on this CPU. The roofline is no floor here"
+        )
+        meta["calibration"] = json.loads(Path(args.timed).read_text()).get("source", {})
+    elif args.device == "cpu":
         meta["note"] = (
             "CPU: the ceilings come from a float32 product of a tiny model's shapes and a 64 MiB "
             "host copy, so the roofline is no floor here; these figures check the code only"
@@ -253,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
         meta["goodput"] = goodput_json(http.goodput, http.capacity_req_s, Objectives())
     # Saved before the in-process run too: a run cut off there keeps the HTTP figures.
     path = report(args, wl, http, {}, roofs, meta, started)
+    if args.http_only:
+        return path
     wait_device_free(args.device)
     local = in_process(app, model_dir, args.device, http.streams, warm)
     path = report(args, wl, http, local, roofs, meta, started)

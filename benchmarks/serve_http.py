@@ -9,6 +9,8 @@ import asyncio
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,12 +21,20 @@ from app.config import AppArgs
 from benchmarks.bench_router_serve import wait_healthy
 from benchmarks.loadgen import OpenAIClient, RequestSpec, run_benchmark
 from benchmarks.loadgen.runner import warm_up
+from benchmarks.serve_cpu import (
+    busiest_threads,
+    cpu_per_token,
+    read_all,
+    read_threads,
+    serving_processes,
+)
 from benchmarks.serve_goodput import Goodput, Objectives, search
 from benchmarks.serve_report import Measured, fleet_figures, row
 from benchmarks.serve_workloads import Stream, Workload
 
 APP_NAME = "bench-serve"
 ENGINE_DEPLOYMENT = "EngineDeployment"
+INGRESS_DEPLOYMENT = "Ingress"
 
 
 async def replica_stats(handle) -> dict[str, dict[str, Any]]:
@@ -32,15 +42,51 @@ async def replica_stats(handle) -> dict[str, dict[str, Any]]:
     return {a["replica_id"]: a for a in answers}
 
 
-async def http_run(client: OpenAIClient, handle, stream: Stream) -> Measured:
+async def http_run(
+    client: OpenAIClient, handle, stream: Stream, profile: str | None = None
+) -> Measured:
+    """One stream through HTTP. With `profile` (a folder), py-spy samples every serving
+    process for PROFILE_S from the stream's start (collapsed stacks, one file a process)."""
+    processes = await asyncio.to_thread(
+        serving_processes, APP_NAME, INGRESS_DEPLOYMENT, ENGINE_DEPLOYMENT
+    )
+    if profile is not None:
+        start_profilers(processes, profile)
     before = await replica_stats(handle)
+    cpu_before = read_all(processes)
+    threads_before = read_threads(processes)
     result = await run_benchmark(
         client, stream.specs, [stream.load], warmup=0, progress=sys.stderr.isatty()
     )
     report = result.runs[0]
+    cpu_after = read_all(processes)
+    threads_after = read_threads(processes)
     after = await replica_stats(handle)
     requests, busy = fleet_figures(before, after, report.summary["duration_s"])
-    return Measured(report.summary, busy, requests)
+    step_cpu = sum(
+        float(a.get("step_cpu_s", 0.0)) - float(before.get(rid, {}).get("step_cpu_s", 0.0))
+        for rid, a in after.items()
+    )
+    cpu = cpu_per_token(
+        processes, cpu_before, cpu_after, report.summary["total_output_tokens"], step_cpu
+    )
+    cpu["threads_cpu_s"] = busiest_threads(processes, threads_before, threads_after)
+    return Measured(report.summary, busy, requests, cpu)
+
+
+PROFILE_S = 15
+
+
+def start_profilers(processes: list, folder: str) -> None:
+    if shutil.which("py-spy") is None:
+        print("warning: --profile needs py-spy on the PATH; not profiling", flush=True)
+        return
+    os.makedirs(folder, exist_ok=True)
+    for p in processes:
+        out = os.path.join(folder, f"{p.role}-{p.pid}.txt")
+        subprocess.Popen(["py-spy", "record", "--pid", str(p.pid), "--duration", str(PROFILE_S),
+                          "--rate", "100", "--format", "raw", "--nonblocking", "-o", out],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
 @dataclass
@@ -52,7 +98,8 @@ class HttpPhase:
 
 
 async def http_phase(
-    url: str, wl: Workload, work: list[Stream], warm: list[RequestSpec], timeout_s: float
+    url: str, wl: Workload, work: list[Stream], warm: list[RequestSpec], timeout_s: float,
+    profile_dir: str | None = None,
 ) -> HttpPhase:
     from ray import serve
 
@@ -66,8 +113,9 @@ async def http_phase(
         if wl.sweep_steps:
             return await sweep(client, handle, wl, work[0], timeout_s)
         measured = {}
-        for stream in work:
-            measured[stream.label] = await http_run(client, handle, stream)
+        for k, stream in enumerate(work):
+            profile = profile_dir if k == 0 else None
+            measured[stream.label] = await http_run(client, handle, stream, profile)
             print(stream.label, json.dumps(row(stream.label, "http", measured[stream.label])),
                   flush=True)  # fmt: skip
         return HttpPhase(measured, work)
@@ -104,29 +152,41 @@ def deploy_and_measure(
     args: argparse.Namespace, app: AppArgs, wl: Workload, work: list[Stream],
     warm: list[RequestSpec],
 ) -> HttpPhase:  # fmt: skip
+    """Start a local Ray cluster and Serve on `args.port`, deploy, measure, shut both down. In a
+    process already connected to a cluster with Serve running on `args.port` (the tests'), the
+    app is deployed there and deleted after."""
     import ray
     from ray import serve
 
     from app.main import build_app
 
-    num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 2), num_gpus=num_gpus,
-             include_dashboard=False)  # fmt: skip
+    owned = not ray.is_initialized()
+    if owned:
+        num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        # Serve reserves a CPU a replica: room for every replica, whatever this machine's cores.
+        cpus = max(os.cpu_count() or 1, args.replicas + app.ingress_replicas(args.device) + 1)
+        ray.init(num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False)
     url = f"http://127.0.0.1:{args.port}"
 
     async def measure_then_shut_down() -> HttpPhase:
         try:
-            return await http_phase(url, wl, work, warm, args.run_timeout)
+            return await http_phase(url, wl, work, warm, args.run_timeout,
+                                    getattr(args, "profile", None))  # fmt: skip
         finally:
             # On the loop the handles ran on: with Serve's router on the caller's loop
             # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1), a shutdown after that loop closed fails.
-            await serve.shutdown_async()
+            if owned:
+                await serve.shutdown_async()
+            else:
+                await asyncio.to_thread(serve.delete, APP_NAME)
 
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        if owned:
+            serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(build_app(app), name=APP_NAME, route_prefix="/")
         wait_healthy(url)
         return asyncio.run(measure_then_shut_down())
     finally:
-        serve.shutdown()  # when the phase never ran; nothing to do after it
-        ray.shutdown()
+        if owned:
+            serve.shutdown()  # when the phase never ran; nothing to do after it
+            ray.shutdown()

@@ -24,6 +24,7 @@ class Measured:
     summary: dict  # loadgen.metrics.summarize
     busy_share: list[float] = field(default_factory=list)  # per replica (one in-process)
     requests_per_replica: list[int] = field(default_factory=list)
+    host_cpu: dict[str, Any] | None = None  # serve_cpu.cpu_per_token, through HTTP
 
 
 def fleet_figures(
@@ -64,6 +65,9 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
         sum(m.busy_share) / len(m.busy_share) if m.busy_share else None
     )  # the replicas' mean
     figures["requests_per_replica"] = m.requests_per_replica or None
+    if m.host_cpu is not None:
+        figures["host_cpu_us_per_token"] = m.host_cpu["us_per_token"]
+        figures["host_cpu_threads_s"] = m.host_cpu.get("threads_cpu_s")
     return figures
 
 
@@ -159,6 +163,15 @@ def save(args: argparse.Namespace, wl: Workload, rows: list[dict], meta: dict) -
     data.update({k: meta[k] for k in ("ratios", "goodput") if k in meta})
     path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     append_table(path, "Ratios", ["ratio", "value"], meta["ratios"])
+    cpu = [
+        {"stream": r["stream"], "process": role, "us_per_token": value}
+        for r in rows
+        if r.get("host_cpu_us_per_token")
+        for role, value in r["host_cpu_us_per_token"].items()
+    ]
+    if cpu:
+        title = "Host CPU per delivered token through HTTP (µs from /proc, by role)"
+        append_table(path, title, ["stream", "process", "us_per_token"], cpu)
     if "goodput" in meta:
         g = meta["goodput"]
         low, high = g["bracket"]

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,10 +24,11 @@ from replicas.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# A stream's chunks go out at most once per interval: COALESCE_PER_STREAM_S for each stream open
-# on this engine, up to COALESCE_MAX_S (256 streams: 64 ms, a few decode steps' tokens a chunk).
-COALESCE_PER_STREAM_S = 0.00025
-COALESCE_MAX_S = 0.1
+# After its first token, a stream's tokens go out at most once per interval (its last at once).
+# Every chunk costs a Ray streaming item here, in the ingress and in Serve's proxy: on a 2-core
+# CPU about 2 ms of CPU over the three, against 12 ms a request (benchmarks/bench_serve --timed,
+# docs/perf/serving.md). Ray Serve LLM batches at 50 ms too, flushing the first token at once.
+STREAM_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -36,8 +38,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
         self.engine = engine
+        self.stream_interval_s = stream_interval_s
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -45,6 +48,7 @@ class AsyncEngine:
         self._stopped = False
         self._held: tuple[str, object] | None = None  # taken from the inbox mid-step, not run
         self.num_aborted = 0  # live requests aborted (caller closed, or abandoned); engine thread
+        self.step_cpu_s = 0.0  # the engine thread's CPU time inside steps; engine thread
         self._thread = threading.Thread(target=self._run, name="lorafleet-engine", daemon=True)
         self.last_error: BaseException | None = None
 
@@ -79,11 +83,11 @@ class AsyncEngine:
             while not finished:
                 chunk = await stream.queue.get()
                 if sent_at is not None and not chunk.finished:
-                    # Under load, a stream's tokens are held for a short interval that grows with
-                    # the streams open and sent as one chunk: every chunk costs a streaming item
-                    # here and in the caller, and this loop shares the GIL with the engine
-                    # thread. With few streams the interval is below a step: no wait.
-                    wait = sent_at + self._coalesce_interval() - loop.time()
+                    # A stream's tokens are held until its interval has passed since the last
+                    # chunk and go out as one: every chunk costs a streaming item here, in the
+                    # caller and in the proxy, and this loop shares the GIL with the engine
+                    # thread.
+                    wait = sent_at + self.stream_interval_s - loop.time()
                     if wait > 0:
                         await asyncio.sleep(wait)
                 # The first chunk goes out alone, at once: what a client times as its first
@@ -98,9 +102,6 @@ class AsyncEngine:
                 self._streams.pop(request.request_id, None)
             if not finished:
                 self._post("abort", (request.request_id, None))
-
-    def _coalesce_interval(self) -> float:
-        return min(COALESCE_MAX_S, len(self._streams) * COALESCE_PER_STREAM_S)
 
     async def call(self, fn, *args):
         """Run `fn(engine, *args)` on the engine thread between steps; returns its result or
@@ -133,12 +134,14 @@ class AsyncEngine:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
+            cpu = time.thread_time()
             try:
                 outputs = self.engine.step(on_idle=self._take_intake)
             except Exception as e:  # a bug or device error must not leave callers hanging
                 logger.exception("engine step failed; failing the requests in flight")
                 self.last_error = e
                 outputs = self.engine.abort_all(f"internal engine error: {e}")
+            self.step_cpu_s += time.thread_time() - cpu
             self._deliver_all(outputs)
             if self.engine.stalled:  # only adapter reads are in flight: don't spin
                 self._wake.wait(timeout=0.001)

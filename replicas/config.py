@@ -46,6 +46,10 @@ class EngineConfig:
     # Steps with prefill chunks of up to this many tokens replay per-layer CUDA graphs
     # (replicas/cuda_graphs.py); larger ones run eagerly. 0: prefill steps always run eagerly.
     max_prefill_graph_tokens: int = 1024
+    # A simulator calibration (sim.calibrate's JSON): no model; each step sleeps its calibrated
+    # time and samples fixed tokens (replicas/timed_runner.py), to measure the served path on CPU.
+    timed_steps: str | None = None
+    stream_interval_s: float = 0.05  # a stream's chunks after its first: at most one per interval
     warm_up: bool = True  # CUDA: run every step shape once at start-up (kernels compile then)
     seed: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())  # extra EOS ids beyond the model's own
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ValueError("kv_reserve_ratio must be in [0, 1]")
         if self.max_prefill_graph_tokens < 0:
             raise ValueError("max_prefill_graph_tokens must be at least 0")
+        if self.stream_interval_s < 0:
+            raise ValueError("stream_interval_s cannot be negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
 

@@ -39,6 +39,7 @@ LEDGER_NAMESPACE = "lorafleet"
 # and its answer). A live caller's requests are never aborted, however late the answer.
 LEASE_S = 0.5
 LEASE_SWEEP_S = 0.25  # how often a replica looks for callers whose lease lapsed
+CALLERS_KEPT = 64  # callers whose last request's end `stats()` reports
 LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
@@ -75,6 +76,8 @@ class EngineDeployment:
         )
         self.num_abandoned = 0  # requests aborted because their caller's lease lapsed
         self.abandoned_at: float | None = None  # wall clock (time.time) of the last of them
+        # caller -> wall clock when its last live request here ended (the newest CALLERS_KEPT)
+        self.caller_done_at: dict[str, float] = {}
         self._serve = _serve_context()
         # Adapters loaded and unloaded at run time, kept by the fleet (replicas/adapter_ledger.py):
         # caught up with before the engine starts, then every LEDGER_SYNC_S.
@@ -83,7 +86,7 @@ class EngineDeployment:
         engine = engine_cls(config)
         if self.ledger is not None:
             self._follow(engine, self.ledger.read_all())
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine(engine, config.stream_interval_s)
         self.engine.start()
         self._stats_task: asyncio.Task | None = None
         self._lease_task: asyncio.Task | None = None
@@ -131,6 +134,14 @@ class EngineDeployment:
                 yield chunk
         finally:
             self.leases.release(request.request_id)
+            if caller is not None and not self.leases.owns(caller):
+                self._caller_done(caller)
+
+    def _caller_done(self, caller: str) -> None:
+        self.caller_done_at.pop(caller, None)
+        self.caller_done_at[caller] = time.time()
+        while len(self.caller_done_at) > CALLERS_KEPT:
+            del self.caller_done_at[next(iter(self.caller_done_at))]
 
     async def abort_abandoned(self) -> None:
         """Every `LEASE_SWEEP_S` under Serve: the callers whose lease lapsed are asked after
@@ -151,6 +162,7 @@ class EngineDeployment:
                 self.abandoned_at = time.time()
                 logger.warning("aborting request %s: its caller %s is dead", request_id, caller)
                 self.engine.abort(request_id, "the request's caller went away")
+            self._caller_done(caller)
 
     async def info(self) -> dict:
         engine = self.engine.engine
@@ -164,9 +176,14 @@ class EngineDeployment:
         """The engine's `EngineStats`, plus `num_held_slots` (GPU slots held by requests),
         `num_aborted` (live requests aborted: the caller closed the stream, or went away) and
         `num_abandoned` (those whose caller's lease lapsed; `abandoned_at` the wall-clock time
-        of the last)."""
+        of the last), `step_cpu_s` (the engine thread's CPU time inside steps), `callers` (each
+        caller's live requests here) and `caller_done_at` (when each recent caller's last request
+        here ended, or was aborted as abandoned: wall clock)."""
         stats = await self.engine.call(_engine_stats)
         stats["num_aborted"] = self.engine.num_aborted
+        stats["step_cpu_s"] = self.engine.step_cpu_s
+        stats["callers"] = self.leases.callers()
+        stats["caller_done_at"] = dict(self.caller_done_at)
         stats["num_abandoned"] = self.num_abandoned
         stats["abandoned_at"] = self.abandoned_at
         return stats

@@ -23,6 +23,7 @@ from replicas.model_runner import ModelRunner
 from replicas.models.spec import ModelSpec
 from replicas.request import Request, RequestOutput, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from replicas.timed_runner import TimedRunner
 
 logger = logging.getLogger(__name__)
 STEP_LOG = 1 << 14  # step timings kept (the most recent)
@@ -45,7 +46,8 @@ class Engine:
             self.spec.max_position_embeddings,
         )
         self.eos_token_ids = frozenset(self.spec.eos_token_ids + config.eos_token_ids)
-        self.runner = ModelRunner(config, self.spec, self.max_model_len)
+        runner_cls = ModelRunner if config.timed_steps is None else TimedRunner
+        self.runner = runner_cls(config, self.spec, self.max_model_len)
         self.adapters = AdapterManager(
             self.spec,
             self.runner.lora_pool,

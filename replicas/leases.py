@@ -72,6 +72,14 @@ class CallerLeases:
             del self._owner[request_id]
         return abandoned
 
+    def owns(self, caller: str) -> int:
+        """How many live requests `caller` owns."""
+        return len(self._requests.get(caller, ()))
+
+    def callers(self) -> dict[str, int]:
+        """Every caller owning requests, with how many."""
+        return {caller: len(owned) for caller, owned in self._requests.items()}
+
     def owner(self, request_id: str) -> str | None:
         return self._owner.get(request_id)
 

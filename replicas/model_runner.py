@@ -17,7 +17,7 @@ from kernels.attention import AttentionBatch, get_attention_backend
 from kernels.layer_ops import get_layer_ops
 from replicas.config import EngineConfig
 from replicas.cuda_graphs import DecodeGraphs, PrefillGraphs
-from replicas.flat_step import FlatStep
+from replicas.flat_step import FlatStep, lay_out
 from replicas.kv_cache import blocks_for
 from replicas.lora import LoraWeightPool
 from replicas.models.llama import StepContext
@@ -217,34 +217,8 @@ class ModelRunner:
         `while_running()` runs once every launch is enqueued and, while it returns True, again
         every few hundred microseconds until the step's tokens are back (HostStaging.readback)."""
         started = time.monotonic()
-        order = sorted(range(len(seqs)), key=lambda i: _slot_key(seqs[i]))
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        q_starts = [0]
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
-        seg_lens: list[int] = []
-        seg_slots: list[int] = []
-        bs = self.config.block_size
-        for i in order:
-            seq = seqs[i]
-            req = seq.request
-            start, end = seq.start, seq.start + seq.num_new_tokens
-            ids += req.token_slice(start, end)
-            positions += range(start, end)
-            slot_mapping += [req.block_table[p // bs] * bs + p % bs for p in range(start, end)]
-            q_starts.append(q_starts[-1] + seq.num_new_tokens)
-            ctx_lens.append(end)
-            tables.append(req.block_table)
-            if req.slot is not None:
-                if seg_slots and seg_slots[-1] == req.slot:
-                    seg_lens[-1] += seq.num_new_tokens
-                else:
-                    seg_lens.append(seq.num_new_tokens)
-                    seg_slots.append(req.slot)
-        step = FlatStep(ids, positions, slot_mapping, q_starts, ctx_lens, tables, seg_lens,
-                        seg_slots)
+        order, step = lay_out(seqs, self.config.block_size)
+        q_starts = step.q_starts
         num_tokens = step.num_tokens
         stage = self.staging
         stage.reset()  # free: the previous step's readback waited for its copies
@@ -318,7 +292,3 @@ class ModelRunner:
             self._generators[req.request_id] = self.sampler.make_generator(req.sampling.seed)
         return self._generators[req.request_id]
 
-
-def _slot_key(seq: ScheduledSeq) -> tuple[int, int]:
-    slot = seq.request.slot
-    return (1, 0) if slot is None else (0, slot)

@@ -75,6 +75,9 @@ class TestAppArgs:
             ({"runtime_adapter_dirs": [" "]}, "runtime_adapter_dirs"),
             ({"api_key": " "}, "api_key"),
             ({"max_request_body_bytes": 10}, "max_request_body_bytes"),
+            ({"timed_steps": "/c.json", "device": "cuda"}, "device cpu"),
+            ({"timed_steps": " "}, "non-empty"),
+            ({"stream_interval_ms": -1}, "stream_interval_ms"),
         ],
     )
     def test_bad_values_are_rejected_with_a_message(self, fields, words):
@@ -115,6 +118,9 @@ class TestAppArgs:
         assert (config.enforce_eager, config.max_prefill_graph_tokens) == (True, 0)
         with pytest.raises(ValueError):
             AppArgs(max_prefill_graph_tokens=-1)
+        assert config.stream_interval_s == 0.05 and config.timed_steps is None
+        config = AppArgs(stream_interval_ms=0, timed_steps="/c.json").to_engine_config("/m", "cpu")
+        assert (config.stream_interval_s, config.timed_steps) == (0.0, "/c.json")
 
     @pytest.mark.parametrize(
         ("fields", "mode"),

@@ -4,6 +4,7 @@ recording backend, and the control-plane methods the ingress broadcasts."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -106,6 +107,9 @@ class TestMetrics:
             "num_abandoned",
             "abandoned_at",
             "num_held_slots",
+            "step_cpu_s",
+            "callers",
+            "caller_done_at",
         }
         assert isinstance(stats["adapter_read_seconds"], list)
         assert len(stats["adapter_read_seconds"]) == stats["adapter_disk_reads"] == 1
@@ -114,6 +118,21 @@ class TestMetrics:
         assert stats["adapter_gpu_loads"] == stats["adapter_hits"] + stats["adapter_misses"] == 1
         assert stats["num_steps"] == 3 and stats["num_running"] == stats["num_waiting"] == 0
         assert stats["num_finished"] == 1 and stats["busy_s"] > 0
+        assert 0 < stats["step_cpu_s"] and stats["callers"] == {} == stats["caller_done_at"]
+
+    async def test_each_callers_live_requests_and_when_its_last_one_ended(self, replica):
+        deployment, _ = replica
+        sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        stream = deployment.generate(GenerateRequest("r1", [5, 17], sampling), caller="ingress-a")
+        await anext(stream)
+        stats = await deployment.stats()
+        assert stats["callers"] == {"ingress-a": 1} and stats["caller_done_at"] == {}
+        before = time.time()
+        async for _ in stream:
+            pass
+        stats = await deployment.stats()
+        assert stats["callers"] == {}
+        assert before <= stats["caller_done_at"]["ingress-a"] <= time.time()
 
 
 class TestControlPlane:

@@ -68,10 +68,38 @@ class TestBuildApp:
         assert settings.served_model_name == "my-model"
         assert settings.adapters == {"sql": str(tmp_path / "sql")}
         assert ingress.max_ongoing_requests >= 300
+        assert ingress.num_replicas == 1  # on CPU, unless set
+
+    def test_replicas_start_with_serves_fast_path_unless_the_environment_says(
+        self, model_dir, monkeypatch
+    ):
+        from app.main import REPLICA_ENV
+
+        monkeypatch.delenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", raising=False)
+        ingress, *_, engine, _, _ = bound(build_app({"model": str(model_dir)}))
+        for deployment in (ingress, engine):
+            assert deployment.ray_actor_options["runtime_env"]["env_vars"] == REPLICA_ENV
+        assert REPLICA_ENV["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
+        monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")  # the user's choice stays
+        ingress, *_ = bound(build_app({"model": str(model_dir)}))
+        assert "RAY_SERVE_USE_GRPC_BY_DEFAULT" not in ingress.ray_actor_options["runtime_env"][
+            "env_vars"
+        ]
+
+    def test_timed_steps_run_on_cpu_from_an_absolute_path(self, model_dir, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        *_, engine, engine_args, _ = bound(
+            build_app({"model": str(model_dir), "timed_steps": "calibration.json"})
+        )
+        assert engine_args[0].timed_steps == str(tmp_path / "calibration.json")
+        assert engine_args[0].device == "cpu" and "num_gpus" not in engine.ray_actor_options
 
     def test_cuda_engine_replicas_get_a_gpu_each(self, model_dir):
-        *_, engine, engine_args, _ = bound(build_app({"model": str(model_dir), "device": "cuda"}))
+        args = {"model": str(model_dir), "device": "cuda", "num_replicas": 3}
+        ingress, *_, engine, engine_args, _ = bound(build_app(args))
         assert engine.ray_actor_options["num_gpus"] == 1
+        assert ingress.num_replicas == 6  # two ingress replicas per GPU unless set
+        assert bound(build_app({**args, "num_ingress_replicas": 1}))[0].num_replicas == 1
         assert engine_args[0].device == "cuda"
 
     def test_invalid_adapter_fails_the_build_naming_it(self, model_dir, tmp_path):

@@ -1,5 +1,5 @@
 """The asyncio front of the engine (replicas/async_engine.py): each step's outputs reach the
-streams in one callback, and under load a stream's tokens are sent in fewer, larger chunks,
+streams in one callback, and a stream's tokens are sent in fewer, larger chunks,
 with the same tokens in the same order."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 
-from replicas import async_engine
 from replicas.async_engine import AsyncEngine
 from replicas.protocol import GenerateRequest
 from tests.replicas.conftest import greedy, make_engine
@@ -38,13 +37,11 @@ def engine(models):
     front.shutdown()
 
 
-async def test_chunks_are_coalesced_under_load_with_the_same_tokens(engine, monkeypatch):
-    monkeypatch.setattr(async_engine, "COALESCE_MAX_S", 0.0)
+async def test_chunks_are_coalesced_with_the_same_tokens(engine):
+    engine.stream_interval_s = 0.0
     plain = await stream_all(engine)
-    # Each stream's interval is the cap however many streams are open, and far above a CPU step
-    # (a few ms): the tokens of many steps come in while a chunk is held.
-    monkeypatch.setattr(async_engine, "COALESCE_PER_STREAM_S", 1.0)
-    monkeypatch.setattr(async_engine, "COALESCE_MAX_S", HOLD_S)
+    # Far above a CPU step (a few ms): the tokens of many steps come in while a chunk is held.
+    engine.stream_interval_s = HOLD_S
     held = await stream_all(engine)
     for request_id, chunks in plain.items():
         tokens = [t for _, chunk in chunks for t in chunk]

@@ -1,0 +1,125 @@
+"""Host CPU time of the serving processes, from the OS's counters: Serve's proxy, each ingress
+replica, each engine replica (and, from the engine's own count, the part of it spent outside
+engine steps), read before and after a run and divided by the tokens it delivered.
+
+Processes are found in Ray's actor table (actor class names `ProxyActor`,
+`ServeReplica:<app>:<deployment>`); their CPU time is user + system from `/proc/<pid>/stat`
+(every thread of the process), so this reads processes of this machine only (Linux)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TICKS_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class ServingProcess:
+    role: str  # "proxy", "ingress", "engine", "controller"
+    pid: int
+
+
+def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingProcess]:
+    """The live Serve actors of this cluster that serve `app_name`, with their roles."""
+    from ray._private import state  # the GCS's actor table; the state API needs a dashboard
+
+    roles = {
+        "ProxyActor": "proxy",
+        "ServeController": "controller",
+        f"ServeReplica:{app_name}:{ingress}": "ingress",
+        f"ServeReplica:{app_name}:{engine}": "engine",
+    }
+    found = []
+    for actor in state.actors().values():
+        role = roles.get(actor.get("ActorClassName"))
+        if role is not None and actor.get("State") == "ALIVE" and actor.get("Pid"):
+            found.append(ServingProcess(role, int(actor["Pid"])))
+    return sorted(found, key=lambda p: (p.role, p.pid))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces; the fields after its closing paren are fixed.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS_S
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads, summed by thread name (`comm`: Ray's, gRPC's and
+    Python's threads are named), {} if it is gone."""
+    out: dict[str, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICKS_S
+    return out
+
+
+def busiest_threads(
+    processes: list[ServingProcess],
+    before: Mapping[int, Mapping[str, float]],
+    after: Mapping[int, Mapping[str, float]],
+    top: int = 6,
+) -> dict[str, list[tuple[str, float]]]:
+    """Per role, the thread names that used the most CPU seconds between two readings."""
+    by_role: dict[str, dict[str, float]] = {}
+    for p in processes:
+        grown = by_role.setdefault(p.role, {})
+        for name, seconds in after.get(p.pid, {}).items():
+            grown[name] = grown.get(name, 0.0) + seconds - before.get(p.pid, {}).get(name, 0.0)
+    return {
+        role: sorted(((n, round(s, 3)) for n, s in grown.items()), key=lambda t: -t[1])[:top]
+        for role, grown in by_role.items()
+    }
+
+
+def read_threads(processes: list[ServingProcess]) -> dict[int, dict[str, float]]:
+    return {p.pid: thread_cpu_seconds(p.pid) for p in processes}
+
+
+def read_all(processes: list[ServingProcess]) -> dict[int, float]:
+    return {p.pid: s for p in processes if (s := cpu_seconds(p.pid)) is not None}
+
+
+def cpu_per_token(
+    processes: list[ServingProcess],
+    before: Mapping[int, float],
+    after: Mapping[int, float],
+    tokens: int,
+    engine_step_cpu_s: float = 0.0,
+) -> dict[str, Any]:
+    """Microseconds of host CPU per delivered token, by role (summed over a role's processes)
+    and in all; `engine outside steps` takes the engine threads' CPU inside steps
+    (`engine_step_cpu_s`, from the replicas' stats over the same run) out of the engine's.
+    `processes` counts each role's processes."""
+    by_role: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for p in processes:
+        if p.pid in before and p.pid in after:
+            by_role[p.role] = by_role.get(p.role, 0.0) + after[p.pid] - before[p.pid]
+            counts[p.role] = counts.get(p.role, 0) + 1
+    serving = {role: s for role, s in by_role.items() if role != "controller"}
+    seconds = dict(serving)
+    if "engine" in seconds:
+        seconds["engine outside steps"] = max(0.0, seconds["engine"] - engine_step_cpu_s)
+    seconds["serving processes"] = sum(serving.values())
+    per_token = {k: (1e6 * s / tokens if tokens else None) for k, s in seconds.items()}
+    if "controller" in by_role and tokens:
+        per_token["controller (not summed)"] = 1e6 * by_role["controller"] / tokens
+    return {"us_per_token": per_token, "cpu_s": seconds, "processes": counts}

@@ -1,0 +1,43 @@
+"""Host CPU per delivered token (benchmarks/serve_cpu.py): read from the OS for a live process,
+summed by role, the engine's in-step CPU taken out of its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.serve_cpu import ServingProcess, cpu_per_token, cpu_seconds
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+
+
+def test_a_process_cpu_time_grows_with_its_work_and_a_gone_one_reads_none():
+    before = cpu_seconds(os.getpid())
+    deadline = before + 0.05
+    while cpu_seconds(os.getpid()) < deadline:  # burn 50 ms of CPU
+        sum(i * i for i in range(10_000))
+    assert cpu_seconds(os.getpid()) >= deadline
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert cpu_seconds(int(done.stdout)) is None
+
+
+def test_microseconds_per_token_by_role_and_in_all():
+    procs = [ServingProcess("proxy", 1), ServingProcess("ingress", 2),
+             ServingProcess("ingress", 3), ServingProcess("engine", 4),
+             ServingProcess("controller", 5), ServingProcess("ingress", 6)]  # fmt: skip
+    before = {1: 1.0, 2: 2.0, 3: 0.5, 4: 10.0, 5: 0.0}  # 6 started after the first reading
+    after = {1: 1.2, 2: 2.1, 3: 0.8, 4: 10.5, 5: 0.1, 6: 9.0}
+    out = cpu_per_token(procs, before, after, tokens=1000, engine_step_cpu_s=0.3)
+    us = out["us_per_token"]
+    assert us["proxy"] == pytest.approx(200.0)
+    assert us["ingress"] == pytest.approx(400.0)  # 2 and 3; 6 has no reading before
+    assert us["engine"] == pytest.approx(500.0)
+    assert us["engine outside steps"] == pytest.approx(200.0)
+    assert us["serving processes"] == pytest.approx(1100.0)  # the controller is not summed
+    assert us["controller (not summed)"] == pytest.approx(100.0)
+    assert out["processes"] == {"proxy": 1, "ingress": 2, "engine": 1, "controller": 1}
+    assert cpu_per_token(procs, before, after, tokens=0)["us_per_token"]["proxy"] is None

@@ -1,0 +1,43 @@
+"""The serving benchmark on timed steps (`bench_serve --timed --smoke`) through the shared e2e
+cluster: the real app through HTTP and the engine in-process on the same requests, with the
+serving processes' CPU per token read from the OS. No timing is asserted: the figures' shape is."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import urlparse
+
+import pytest
+
+from benchmarks.bench_serve import CALIBRATION, main
+
+pytestmark = pytest.mark.serve
+
+
+@pytest.fixture(scope="module")
+def results(serve_cluster, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("bench-serve")
+    port = urlparse(serve_cluster["url"]).port
+    argv = ["--workload", "seeds", "--smoke", "--timed", "--port", str(port),
+            "--out", str(tmp / "out"), "--work-dir", str(tmp / "work")]  # fmt: skip
+    path = main(argv)
+    assert path == tmp / "out" / "bench_serve_seeds_timed_smoke.md"
+    return json.loads(path.with_suffix(".json").read_text())
+
+
+def test_both_paths_complete_every_request_on_timed_steps(results):
+    rows = {row["path"]: row for row in results["rows"]}
+    assert rows["http"]["completed"] == rows["in-process"]["completed"] == 12
+    assert rows["http"]["failed"] == rows["in-process"]["failed"] == 0
+    assert results["app_args"]["timed_steps"] == str(CALIBRATION.resolve())
+    assert results["app_args"]["device"] == "cpu"
+    assert results["calibration"]["device"]  # the GPU whose steps are modelled
+
+
+def test_cpu_per_token_is_read_for_every_serving_process(results):
+    (http,) = [row for row in results["rows"] if row["path"] == "http"]
+    us = http["host_cpu_us_per_token"]
+    for role in ("proxy", "ingress", "engine"):
+        assert us[role] > 0, us
+    assert 0 <= us["engine outside steps"] <= us["engine"]
+    assert us["serving processes"] == pytest.approx(us["proxy"] + us["ingress"] + us["engine"])
