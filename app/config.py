@@ -200,11 +200,12 @@ class AppArgs(BaseModel):
         ),
     )
     max_ongoing_requests: int = Field(
-        default=256,
+        default=1024,
         ge=1,
         description=(
-            "Requests one engine replica accepts at once; more wait in the caller's router. High, "
-            "because the engine batches continuously."
+            "Requests one engine replica accepts at once (running or queued in its scheduler); "
+            "more wait in Serve's routers, which retry with backoff. Well above max_num_seqs: "
+            "a burst waits in the engine's queue, admitted the moment there is room."
         ),
     )
     router: Literal["affinity", "pow2"] = Field(

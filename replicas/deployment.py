@@ -43,7 +43,7 @@ CALLERS_KEPT = 64  # callers whose last request's end `stats()` reports
 LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
-@serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=10)
 class EngineDeployment:
     """One engine replica. `prepare` runs first on the replica's node (it makes sure the model
     files exist there, e.g. building the embedded demo); `engine_cls` and `metrics` are

@@ -48,7 +48,7 @@ from sim.events import EventLoop, Process, Task
 class ServeConfig:
     """Serve's timings and limits, defaults as Ray 2.60 ships them and as app/main.py sets them."""
 
-    max_ongoing_requests: int = 256  # app/config.py AppArgs.max_ongoing_requests
+    max_ongoing_requests: int = 1024  # app/config.py AppArgs.max_ongoing_requests
     rpc_s: float = 0.0005  # one way, between a router and a replica actor
     push_period_s: float = 0.1  # replicas/deployment.py RESIDENCY_PERIOD_S
     stats_period_s: float = 0.5  # app/main.py ROUTING_STATS_PERIOD_S (Serve's default: 10 s)
