@@ -107,13 +107,17 @@ def cpu_per_token(
     """Microseconds of host CPU per delivered token, by role (summed over a role's processes)
     and in all; `engine outside steps` takes the engine threads' CPU inside steps
     (`engine_step_cpu_s`, from the replicas' stats over the same run) out of the engine's.
-    `processes` counts each role's processes."""
+    `us_per_token_by_process` has each process alone ("ingress 1", "ingress 2", ... in pid
+    order); `processes` counts each role's processes."""
     by_role: dict[str, float] = {}
+    by_process: dict[str, float | None] = {}
     counts: dict[str, int] = {}
     for p in processes:
         if p.pid in before and p.pid in after:
-            by_role[p.role] = by_role.get(p.role, 0.0) + after[p.pid] - before[p.pid]
+            grown = after[p.pid] - before[p.pid]
+            by_role[p.role] = by_role.get(p.role, 0.0) + grown
             counts[p.role] = counts.get(p.role, 0) + 1
+            by_process[f"{p.role} {counts[p.role]}"] = 1e6 * grown / tokens if tokens else None
     serving = {role: s for role, s in by_role.items() if role != "controller"}
     seconds = dict(serving)
     if "engine" in seconds:
@@ -122,4 +126,9 @@ def cpu_per_token(
     per_token = {k: (1e6 * s / tokens if tokens else None) for k, s in seconds.items()}
     if "controller" in by_role and tokens:
         per_token["controller (not summed)"] = 1e6 * by_role["controller"] / tokens
-    return {"us_per_token": per_token, "cpu_s": seconds, "processes": counts}
+    return {
+        "us_per_token": per_token,
+        "us_per_token_by_process": by_process,
+        "cpu_s": seconds,
+        "processes": counts,
+    }

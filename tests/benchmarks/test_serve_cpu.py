@@ -40,4 +40,8 @@ def test_microseconds_per_token_by_role_and_in_all():
     assert us["serving processes"] == pytest.approx(1100.0)  # the controller is not summed
     assert us["controller (not summed)"] == pytest.approx(100.0)
     assert out["processes"] == {"proxy": 1, "ingress": 2, "engine": 1, "controller": 1}
+    assert out["us_per_token_by_process"] == pytest.approx(
+        {"proxy 1": 200.0, "ingress 1": 100.0, "ingress 2": 300.0, "engine 1": 500.0,
+         "controller 1": 100.0}
+    )  # fmt: skip
     assert cpu_per_token(procs, before, after, tokens=0)["us_per_token"]["proxy"] is None

@@ -41,3 +41,8 @@ def test_cpu_per_token_is_read_for_every_serving_process(results):
         assert us[role] > 0, us
     assert 0 <= us["engine outside steps"] <= us["engine"]
     assert us["serving processes"] == pytest.approx(us["proxy"] + us["ingress"] + us["engine"])
+    each = http["host_cpu_us_per_token_by_process"]
+    assert sum(v for k, v in each.items() if k.startswith("ingress")) == pytest.approx(
+        us["ingress"]
+    )
+    assert set(http["host_cpu_threads_s"]) >= {"proxy", "ingress", "engine"}
