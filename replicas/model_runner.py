@@ -57,6 +57,23 @@ def resolve_backend(setting: str, device: str, triton_module: str) -> str:
     return "triton"
 
 
+def warm_up_segment_counts(num_slots: int) -> list[int]:
+    """LoRA segment counts whose steps compile every SGMV kernel variant a step of 1 to
+    `num_slots` segments launches. The kernels specialize on the count's table width (`BLOCK_S`,
+    a power of two, at least 16) and, as Triton does with an integer argument, on the count
+    being 1 or a multiple of 16: one count of each pair 1..num_slots reaches. With 32 slots:
+    1, 2, 16, 17, 32 (warming 1, 2 and 32 alone left 3-15 and 17-31 segments to compile while
+    serving: 32% of an H200 engine replica's time early in a 32-adapter burst)."""
+    seen: set[tuple[int, bool, bool]] = set()
+    counts = []
+    for n in range(1, num_slots + 1):
+        kind = (max(16, 1 << (n - 1).bit_length()), n == 1, n % 16 == 0)
+        if kind not in seen:
+            seen.add(kind)
+            counts.append(n)
+    return counts
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int) -> None:
         self.config = config
@@ -163,9 +180,10 @@ class ModelRunner:
     def warm_up(self, max_tokens: int, max_model_len: int) -> None:
         """Run the eager forward pass once per step size in WARM_UP_TOKENS up to `max_tokens` and
         at `max_tokens` itself (sizes that replay prefill graphs excepted, one above them added),
-        with one, two and as many sequences as there are adapter slots, each sequence one LoRA
-        segment. Every key and value goes to the pad slot and every block table points at the
-        pad block, so no request's cache is touched; outputs are discarded."""
+        with each count of sequences in `warm_up_segment_counts` (and as many as there are
+        adapter slots), each sequence one LoRA segment. Every key and value goes to the pad slot
+        and every block table points at the pad block, so no request's cache is touched; outputs
+        are discarded."""
         bs, pad_block = self.config.block_size, self.num_kv_blocks
         num_slots = self.lora_pool.num_slots
         sizes = {min(t, max_tokens) for t in WARM_UP_TOKENS} | {max_tokens}
@@ -179,7 +197,8 @@ class ModelRunner:
             if graphs is not None and graphs.bucket_for(n):
                 continue
             fewest = -(-n // max_model_len)  # no dummy sequence longer than the model allows
-            for num_seqs in sorted({max(k, fewest) for k in (1, 2, num_slots)} - {0}):
+            counts = (*warm_up_segment_counts(num_slots), num_slots)
+            for num_seqs in sorted({max(k, fewest) for k in counts} - {0}):
                 if num_seqs > n:
                     continue
                 lengths = [n // num_seqs + (i < n % num_seqs) for i in range(num_seqs)]

@@ -77,3 +77,21 @@ def test_warm_up_leaves_every_cache_block_alone(models):
     prompt = [5, 17, 200, 33, 98, 4]
     out = run_to_completion(engine, [Request("r", prompt, greedy(5))])
     assert out["r"][0] == hf_greedy(models["llama"], prompt, 5)
+
+
+@pytest.mark.parametrize("num_slots", [1, 4, 8, 16, 17, 32, 40, 100])
+def test_warm_up_segment_counts_reach_every_kernel_variant_a_step_can(num_slots):
+    """Every segment count a step can have (1..slots) launches the SGMV kernels with the same
+    table width and the same integer specialization as one count the warm-up runs, by the
+    kernels' own rules, so no step compiles a kernel while serving."""
+    from kernels.launch import _specialization_key
+    from kernels.sgmv_triton import _pow2_at_least_16
+    from replicas.model_runner import warm_up_segment_counts
+
+    def variant(n: int) -> tuple:
+        return _pow2_at_least_16(n), _specialization_key(None, (n,))
+
+    counts = warm_up_segment_counts(num_slots)
+    assert counts == sorted(set(counts)) and 1 <= counts[0] and counts[-1] <= num_slots
+    assert {variant(n) for n in range(1, num_slots + 1)} == {variant(c) for c in counts}
+    assert len({variant(c) for c in counts}) == len(counts)  # no count run twice for nothing
