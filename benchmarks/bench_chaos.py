@@ -261,7 +261,7 @@ async def kill_loop(
 ) -> None:
     """Kill each deployment's replica at its time. Before the ingress, start `plan.orphans`
     long streams and wait for the engines to run them; after it, time how long the engines take
-    to end them (`log.orphan_abort_s`: its transport closes, or its lease lapses)."""
+    to end them (`log.orphan_abort_s`)."""
     kills = [(plan.kill_engine_at, ENGINE), (plan.kill_ingress_at, INGRESS)]
     orphans: list[asyncio.Task] = []
     for at, deployment in sorted((k for k in kills if k[0] is not None), key=lambda k: k[0]):
@@ -282,9 +282,9 @@ async def kill_loop(
             while dead is not None and time.monotonic() < killed + 30.0:
                 stats = await fleet_stats(app)
                 if stats and all(dead not in s.get("callers", {}) for s in stats):
-                    # Every request of the dead ingress ended in the engines, whichever way (its
-                    # transport closed, or its lease lapsed and the GCS said dead): when, by the
-                    # engines' own clock (same host; reading the stats under load lags).
+                    # Every request of the dead ingress ended in the engines (its lease lapsed and
+                    # the GCS said dead; over Ray actor calls a cancelled stream may end them
+                    # first): when, by the engines' own clock (reading the stats under load lags).
                     ended = [s["caller_done_at"][dead] for s in stats
                              if dead in s.get("caller_done_at", {})]  # fmt: skip
                     if ended:
