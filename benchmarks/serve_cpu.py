@@ -41,15 +41,19 @@ def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingP
     return sorted(found, key=lambda p: (p.role, p.pid))
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process (all its threads), None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
+def _stat_cpu(stat: str) -> float:
+    """User + system CPU seconds from a `/proc/.../stat` line."""
     # The command name (field 2) may hold spaces; the fields after its closing paren are fixed.
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / TICKS_S
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads), None if it is gone."""
+    try:
+        return _stat_cpu(Path(f"/proc/{pid}/stat").read_text())
+    except OSError:
+        return None
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
@@ -66,8 +70,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         except OSError:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICKS_S
+        out[name] = out.get(name, 0.0) + _stat_cpu(stat)
     return out
 
 

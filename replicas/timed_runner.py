@@ -3,10 +3,8 @@ samples deterministic tokens. The engine around it (scheduler, adapter manager, 
 and everything in front of it (Serve, ingress, streaming) are the real ones, so the served
 path's host costs can be measured on a machine without a GPU (`benchmarks/bench_serve --timed`).
 
-The step time follows the simulator's cost model (`sim/calibration.py`, fitted to steps measured
-on a GPU by `python -m sim.calibrate`):
-
-    step_s = base_s + per_seq_s * seqs + per_adapter_s * adapters + prefill_token_s * prefill
+The step time follows the simulator's cost model (`replicas/step_cost.py`, fitted to steps
+measured on a GPU by `python -m sim.calibrate`).
 
 A step's host work (laying the batch out, the adapter manager's per-step work, taking in new
 requests while it "runs") is done for real and overlaps the modelled device time, as it does
@@ -15,11 +13,8 @@ when the GPU replays a step; the thread then sleeps out the rest, holding no loc
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -29,39 +24,9 @@ from replicas.kv_cache import blocks_for
 from replicas.lora import LoraWeightPool
 from replicas.models.spec import ModelSpec
 from replicas.scheduler import ScheduledSeq
+from replicas.step_cost import load_step_cost
 
 POLL_S = 0.0002  # as HostStaging.readback: how often `while_running` runs during a step
-
-
-@dataclass(frozen=True)
-class TimedStepCost:
-    base_s: float
-    per_seq_s: float
-    per_adapter_s: float
-    prefill_token_s: float
-
-    def step_s(self, seqs: int, adapters: int, prefill_tokens: int) -> float:
-        return (
-            self.base_s
-            + self.per_seq_s * seqs
-            + self.per_adapter_s * adapters
-            + self.prefill_token_s * prefill_tokens
-        )
-
-    @classmethod
-    def load(cls, path: str | Path) -> TimedStepCost:
-        """The `step` coefficients of a simulator calibration file."""
-        try:
-            step = json.loads(Path(path).read_text())["step"]
-            cost = cls(*(float(step[k]) for k in ("base_s", "per_seq_s", "per_adapter_s",
-                                                    "prefill_token_s")))  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"{path} is not a step calibration (sim.calibrate's JSON): {e}"
-            ) from None
-        if min(cost.base_s, cost.per_seq_s, cost.per_adapter_s, cost.prefill_token_s) < 0:
-            raise ValueError(f"{path}: step costs cannot be negative")
-        return cost
 
 
 class TimedRunner:
@@ -75,7 +40,7 @@ class TimedRunner:
         assert config.timed_steps is not None
         self.config = config
         self.spec = spec
-        self.cost = TimedStepCost.load(config.timed_steps)
+        self.cost = load_step_cost(config.timed_steps)
         self.dtype = torch.float32
         self.lora_pool = LoraWeightPool(
             spec, config.max_loras_per_batch, config.max_lora_rank, self.dtype,

@@ -2,7 +2,8 @@
 one disk read. Written as JSON by `python -m sim.calibrate` (measured with the real engine),
 read here.
 
-Step time model, fitted by least squares to measured steps:
+The step time model (`StepCost`, in `replicas/step_cost.py`, which the timed runner replays
+too), fitted by least squares to measured steps:
 
     step_s = base_s + per_seq_s * seqs + per_adapter_s * adapters + prefill_token_s * prefill
 
@@ -14,50 +15,11 @@ cost base + per_seq + per_adapter terms; a prefill chunk adds its tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """One measured step: what it computed and how long it took."""
-
-    seqs: int
-    adapters: int
-    prefill_tokens: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class StepCost:
-    base_s: float
-    per_seq_s: float
-    per_adapter_s: float
-    prefill_token_s: float
-
-    def step_s(self, seqs: int, adapters: int, prefill_tokens: int) -> float:
-        return (
-            self.base_s
-            + self.per_seq_s * seqs
-            + self.per_adapter_s * adapters
-            + self.prefill_token_s * prefill_tokens
-        )
-
-    @classmethod
-    def fit(cls, samples: Sequence[StepSample]) -> StepCost:
-        """Least squares over the samples, every coefficient clipped at 0 (a negative cost is
-        noise). Needs samples that vary each term, else that term's coefficient is 0."""
-        if len(samples) < 4:
-            raise ValueError(f"need at least 4 step samples to fit 4 terms, got {len(samples)}")
-        x = np.array([[1.0, s.seqs, s.adapters, s.prefill_tokens] for s in samples])
-        y = np.array([s.seconds for s in samples])
-        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-        base, per_seq, per_adapter, per_token = (max(0.0, float(c)) for c in coef)
-        return cls(base, per_seq, per_adapter, per_token)
+from replicas.step_cost import StepCost, StepSample
 
 
 @dataclass(frozen=True)

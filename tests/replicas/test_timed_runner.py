@@ -12,7 +12,8 @@ import pytest
 from replicas.config import EngineConfig
 from replicas.engine import Engine
 from replicas.request import Request
-from replicas.timed_runner import TimedRunner, TimedStepCost
+from replicas.step_cost import StepCost, load_step_cost
+from replicas.timed_runner import TimedRunner
 from tests.replicas.conftest import greedy, run_to_completion
 
 COST = {"base_s": 0.004, "per_seq_s": 0.0005, "per_adapter_s": 0.001, "prefill_token_s": 1e-5}
@@ -53,7 +54,7 @@ def test_every_request_gets_its_tokens_none_an_eos_and_the_same_every_run(models
 def test_no_step_is_shorter_than_its_modelled_time(models, calibration):
     engine = timed_engine(models["llama"], calibration)
     run_to_completion(engine, requests())
-    cost = TimedStepCost(**COST)
+    cost = StepCost(**COST)
     timings = engine.step_timings()
     assert timings
     for t in timings:
@@ -75,10 +76,10 @@ def test_a_bad_calibration_is_refused_with_its_path(tmp_path, content, words):
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(ValueError, match=words) as raised:
-        TimedStepCost.load(path)
+        load_step_cost(path)
     assert str(path) in str(raised.value)
     with pytest.raises(ValueError, match="not a step calibration"):
-        TimedStepCost.load(tmp_path / "missing.json")
+        load_step_cost(tmp_path / "missing.json")
 
 
 def test_timed_steps_stand_in_for_a_gpu_only_on_cpu(models, calibration):
