@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from app.adapters import AdapterError, validate_adapter_dir
 from app.config import AppArgs, check_pinned, looks_like_local_path
 from app.ingress import ApiSettings, Ingress
+from replicas.step_cost import load_step_cost
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -68,6 +69,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     )
     check_adapters(args.adapters, args.max_lora_rank)
     check_pinned(args.pinned_adapters, args.adapters)
+    if args.timed_steps is not None:
+        load_step_cost(args.timed_steps)  # a bad file fails the build, not every replica start
     device = "cpu" if args.timed_steps is not None else resolve_device(args.device)
     logger.info(
         "serving %s from %s on %s with %d adapter(s)",

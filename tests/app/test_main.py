@@ -88,6 +88,10 @@ class TestBuildApp:
 
     def test_timed_steps_run_on_cpu_from_an_absolute_path(self, model_dir, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
+        with pytest.raises(ValueError, match="calibration.json is not a step calibration"):
+            build_app({"model": str(model_dir), "timed_steps": "calibration.json"})
+        step = {"base_s": 0.006, "per_seq_s": 2e-5, "per_adapter_s": 1e-5, "prefill_token_s": 2e-5}
+        (tmp_path / "calibration.json").write_text(json.dumps({"step": step}))
         *_, engine, engine_args, _ = bound(
             build_app({"model": str(model_dir), "timed_steps": "calibration.json"})
         )
