@@ -228,7 +228,7 @@ class AsyncEngine:
 def _chunk(output: RequestOutput) -> GenerateChunk:
     error = None
     if output.error is not None:
-        status = 500 if output.error.startswith("internal") else 400
+        status = output.error_status or (500 if output.error.startswith("internal") else 400)
         error = EngineError(output.error, status, _error_type(status))
     return GenerateChunk(
         output.request_id,

@@ -35,8 +35,11 @@ class EngineConfig:
     adapter_loading: str = "prefetch"  # "blocking", "overlap", "prefetch": adapters/modes.py
     eviction_policy: str = "lru"  # GPU slots: "lru" or "lfu" (adapters/slot_pool.py)
     pinned_adapters: tuple[str, ...] = ()  # never evicted from GPU slots or host memory
-    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) known at start-up
+    # (name, path) known at start-up; a path may be a hub adapter, `hf://org/name@<commit>`
+    adapters: tuple[tuple[str, str], ...] = ()
     adapter_root: str | None = None  # folder whose subfolders are adapters, found on first use
+    hub_timeout_s: float = 30.0  # the most a request waits on a hub adapter's download
+    max_hub_adapter_bytes: int = 2 << 30  # a hub adapter's weights file, at most
     sgmv_backend: str = (
         "auto"  # "auto" (triton on cuda when available, else torch), "torch", "triton"
     )
@@ -81,6 +84,8 @@ class EngineConfig:
             raise ValueError("kv_reserve_ratio must be in [0, 1]")
         if self.max_prefill_graph_tokens < 0:
             raise ValueError("max_prefill_graph_tokens must be at least 0")
+        if self.hub_timeout_s <= 0 or self.max_hub_adapter_bytes < 1:
+            raise ValueError("hub_timeout_s and max_hub_adapter_bytes must be positive")
         if self.stream_interval_s < 0:
             raise ValueError("stream_interval_s cannot be negative")
         if self.max_model_len is not None and self.max_model_len < 1:

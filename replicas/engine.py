@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from replicas.adapters.hub import HubAccess
 from replicas.adapters.loader import AdapterError
 from replicas.adapters.manager import AdapterManager
 from replicas.adapters.registry import ServedAdapters
@@ -60,6 +61,8 @@ class Engine:
             eviction_policy=config.eviction_policy,
             max_loaded_bytes=config.max_loaded_lora_bytes,
             pinned=config.pinned_adapters,
+            # The hub as this replica's environment reaches it (HF_ENDPOINT, HF_TOKEN, cache).
+            hub=HubAccess.from_env(config.hub_timeout_s, config.max_hub_adapter_bytes),
         )
         self.blocks = BlockAllocator(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -226,7 +229,10 @@ class Engine:
         self.num_preemptions += len(sched.preempted)
         self._stalled = sched.empty and not sched.failed and self.has_work
         outputs = [
-            RequestOutput(r.request_id, [], r.finish_reason, r.error, r.num_prompt_tokens)
+            RequestOutput(
+                r.request_id, [], r.finish_reason, r.error, r.num_prompt_tokens,
+                error_status=r.error_status,
+            )
             for r in sched.failed
         ]
         if not sched.empty:

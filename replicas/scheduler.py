@@ -64,7 +64,12 @@ RESERVE_CLIP_TOKENS = 4096  # the most remaining output one request counts for (
 
 
 class AdapterLoadError(RuntimeError):
-    """An adapter could not be made resident (bad files, unknown name). Fails only its request."""
+    """An adapter could not be made resident (bad files, unknown name, a failed download). Fails
+    only its request, with `status` (400 bad files, 404 gone, 503 the hub failed)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class AdapterGate(Protocol):
@@ -242,6 +247,7 @@ class Scheduler:
                 except AdapterLoadError as e:
                     self.waiting.remove(request)
                     request.error = str(e)
+                    request.error_status = e.status
                     request.status = RequestStatus.FINISHED_ERROR
                     out.failed.append(request)
                     continue

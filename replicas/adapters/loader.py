@@ -138,7 +138,12 @@ class AdapterWeights:
         return AdapterWeights(self.name, self.rank, self.scaling, modules)
 
 
-def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
+def read_adapter_config(
+    path: str | Path, max_lora_rank: int, *, require_weights: bool = True
+) -> AdapterConfig:
+    """The folder's adapter_config.json, checked (AdapterError: 404 no such folder, 400 a config
+    that cannot be served). `require_weights` also asks for adapter_model.safetensors beside it
+    (pickle-only weights refused); off for a hub adapter whose config came before its weights."""
     root = Path(path)
     if not root.is_dir():
         raise AdapterError(f"adapter folder {str(root)!r} does not exist", status=404)
@@ -204,7 +209,7 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
         raise AdapterError(
             f"adapter {root.name!r} targets {unknown}; supported targets: {list(LORA_TARGETS)}"
         )
-    if not (root / WEIGHTS_FILE).is_file():
+    if require_weights and not (root / WEIGHTS_FILE).is_file():
         if any(root.glob("*.bin")) or any(root.glob("*.pt")):
             raise AdapterError(
                 f"adapter {root.name!r} ships only pickle weights (.bin/.pt), which are refused "

@@ -7,6 +7,8 @@ A thin facade over parts that each do one job, wired here for the engine:
   frees it at once, a reload gets new weights under a new key, and the requests holding the old
   key finish on the old weights, whose slot and host memory go with the last of them
   (`drop_unused`).
+- `HubFetcher` (fetcher.py): hub -> disk, for adapters named by a hub reference: downloads on
+  threads of their own (never a read turn), one per pinned commit.
 - `AdapterReader` (reader.py): disk -> pinned host memory (`HostCache`), reads taking turns.
 - `Uploader` (uploader.py): host -> GPU slot on the load stream, with per-layer events.
 - `SlotPool` (slot_pool.py): which adapter sits in which slot; `PrefetchQueue` (prefetcher.py):
@@ -24,6 +26,7 @@ files.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,7 +35,9 @@ from typing import Any
 
 import torch
 
+from replicas.adapters.fetcher import HubFetcher
 from replicas.adapters.host_cache import HostCache
+from replicas.adapters.hub import HubAccess, HubRef, download, scrub
 from replicas.adapters.loader import AdapterError, AdapterWeights, check_adapter_files
 from replicas.adapters.modes import loading_mode
 from replicas.adapters.policy import READ_WORKERS, CopyBudget, ReadTurns
@@ -71,6 +76,8 @@ class AdapterManager:
         read_workers: int = READ_WORKERS,
         eviction_policy: str = "lru",
         max_loaded_bytes: int | None = None,
+        hub: HubAccess | None = None,
+        fetcher: HubFetcher | None = None,
     ) -> None:
         self.mode = loading_mode(mode)
         self.spec = spec
@@ -91,6 +98,10 @@ class AdapterManager:
             ReadTurns(read_workers),
             is_pinned=self.registry.is_pinned,
             on_failure=self.queue.discard,
+        )
+        hub = hub if hub is not None else HubAccess()
+        self.fetcher = fetcher if fetcher is not None else HubFetcher(
+            functools.partial(download, access=hub), timeout_s=hub.timeout_s
         )
         self.uploader = Uploader(weights, self.stats, load_stream=self.mode.load_stream)
         self.budget = CopyBudget()
@@ -161,9 +172,12 @@ class AdapterManager:
         self._raise_failure(adapter)
         if not self.mode.background_reads:
             try:
-                path = self.registry.path(adapter)
+                path = self._local_path(adapter)
             except AdapterError as e:
-                raise AdapterLoadError(str(e)) from e
+                raise AdapterLoadError(str(e), e.status) from e
+            if path is None:  # downloading: never on the step, even in blocking mode
+                self._raise_failure(adapter)
+                return False
             self.reader.read_now(adapter, path)
             return True
         self._start_read(adapter)
@@ -216,6 +230,7 @@ class AdapterManager:
         """Collect finished reads, then (prefetch mode) queue the waiting requests' adapters,
         start disk reads for the soonest needs and start the GPU loads the budget allows."""
         self._planned_arrivals = self.arrivals
+        self.fetcher.collect()
         self.reader.collect_all()
         if not self.mode.prefetch:
             return
@@ -255,7 +270,11 @@ class AdapterManager:
         step. Returns whether polling is worth going on with."""
         if not self.mode.prefetch:
             return False
-        if self.arrivals != self._planned_arrivals or self.reader.finished():
+        if (
+            self.arrivals != self._planned_arrivals
+            or self.reader.finished()
+            or self.fetcher.finished()
+        ):
             self.tick(waiting())
         return True
 
@@ -269,7 +288,8 @@ class AdapterManager:
 
     def status(self) -> dict[str, dict]:
         """Every adapter this replica knows, by name, and where it is: "gpu", "loading" (disk
-        read or host->GPU copy in flight), "host" or "disk". A name's live version is reported;
+        read or host->GPU copy in flight), "host", "disk", or for a hub adapter not on this
+        node's disk yet "downloading" or "hub". A name's live version is reported;
         a retired one (`unloading`: requests still running on it) only while the name has no
         live version. Not for the hot path (queries events)."""
         keys = self.registry.keys() | set(self.slots.resident) | set(self.host)
@@ -287,8 +307,10 @@ class AdapterManager:
                 tier = "loading" if copy is not None and not copy.landed() else "gpu"
             elif key in self.reader:
                 tier = "loading"
+            elif weights is not None:
+                tier = "host"
             else:
-                tier = "host" if weights is not None else "disk"
+                tier = self._disk_tier(key)
             out[name] = {
                 "tier": tier,
                 "slot": slot,
@@ -311,6 +333,7 @@ class AdapterManager:
 
     def shutdown(self) -> None:
         self.reader.shutdown()
+        self.fetcher.shutdown()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -324,13 +347,43 @@ class AdapterManager:
         if adapter in self.reader:
             return True
         try:
-            path = self.registry.path(adapter)
+            path = self._local_path(adapter)
         except AdapterError as e:
-            self.reader.fail(adapter, str(e))
+            self.reader.fail(adapter, str(e), e.status)
+            self.queue.discard(adapter)  # as for a failed read: no prefetch retries it
             return True
+        if path is None:
+            return True  # downloading: no read turn taken, the later needs go on
         return self.reader.start(adapter, path)
 
+    def _local_path(self, adapter: str) -> Path | None:
+        """The adapter's folder on this node; None while a hub adapter is downloaded (started
+        here if it is not yet). Raises AdapterError: an unknown key, or a download that failed
+        (with its status, while that failure stands)."""
+        location = self.registry.path(adapter)
+        if isinstance(location, Path):
+            return location
+        folder = self.fetcher.folder(location)
+        if folder is not None:
+            return folder
+        failure = self.fetcher.failure(location)
+        if failure is not None:
+            raise AdapterError(failure.message, failure.status)
+        self.fetcher.start(location)
+        return None
+
+    def _disk_tier(self, key: str) -> str:
+        location = self.registry.path(key)
+        if not isinstance(location, HubRef) or self.fetcher.folder(location) is not None:
+            return "disk"
+        return "downloading" if self.fetcher.downloading(location) else "hub"
+
     def _raise_failure(self, adapter: str) -> None:
-        message = self.reader.take_failure(adapter)
-        if message is not None:
-            raise AdapterLoadError(message)
+        failure = self.reader.take_failure(adapter)
+        if failure is None:
+            return
+        message, status = failure
+        location = self.registry.path(adapter) if adapter in self.registry.keys() else None
+        if isinstance(location, HubRef) and (folder := self.fetcher.folder(location)):
+            message = scrub(message, folder, location)  # no path of this node's disk
+        raise AdapterLoadError(message, status)

@@ -63,7 +63,7 @@ class AdapterReader:
         self._pool = ThreadPoolExecutor(max(turns.workers, READ_THREADS),
                                         thread_name_prefix="lora-read")
         self._reads: dict[str, Future[AdapterWeights]] = {}
-        self._failed: dict[str, str] = {}
+        self._failed: dict[str, tuple[str, int]] = {}  # adapter -> (message, status)
 
     def __contains__(self, adapter: str) -> bool:
         """A read of the adapter is running or done but not collected."""
@@ -90,15 +90,17 @@ class AdapterReader:
         self._reads[adapter] = self._pool.submit(self.read_file, adapter, path)
         return True
 
-    def fail(self, adapter: str, message: str) -> None:
-        """Remember that `adapter` cannot be read (e.g. its name no longer resolves)."""
-        self._failed[adapter] = message
+    def fail(self, adapter: str, message: str, status: int = 400) -> None:
+        """Remember that `adapter` cannot be read (e.g. its name no longer resolves, or its
+        download failed), and the status its requests get."""
+        self._failed[adapter] = (message, status)
 
     def failed(self, adapter: str) -> bool:
         return adapter in self._failed
 
-    def take_failure(self, adapter: str) -> str | None:
-        """Why the adapter could not be read, once; None if it did not fail."""
+    def take_failure(self, adapter: str) -> tuple[str, int] | None:
+        """Why the adapter could not be read and the status to answer with, once; None if it
+        did not fail."""
         return self._failed.pop(adapter, None)
 
     def finished(self) -> bool:
@@ -114,7 +116,7 @@ class AdapterReader:
         try:
             weights = future.result()
         except AdapterLoadError as e:
-            self._failed[adapter] = str(e)
+            self._failed[adapter] = (str(e), e.status)
             self.turns.drop(adapter)
             self._on_failure(adapter)
             return False

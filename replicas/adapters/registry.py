@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from replicas.adapters.hub import HubRef, Location, location_of
 from replicas.adapters.loader import AdapterError, read_adapter_config
 
 Source = Literal["config", "runtime", "adapter_root"]
@@ -33,7 +34,7 @@ class AdapterVersion:
     """One registration of a name."""
 
     name: str
-    path: Path
+    path: Location  # a folder, or a hub reference pinned to a commit (downloaded when needed)
     key: str  # unique among the versions not yet dropped
     source: Source
     pinned: bool = False
@@ -68,7 +69,7 @@ class AdapterRegistry:
         self._checked: set[str] = set()  # keys whose folder passed the config check
         self._suffixes = itertools.count(2)
         for name, path in adapters.items():
-            self._add(name, Path(path), "config", pinned=name in self._pinned_names)
+            self._add(name, location_of(path), "config", pinned=name in self._pinned_names)
 
     # -- names -> versions ----------------------------------------------------------------------
 
@@ -86,7 +87,8 @@ class AdapterRegistry:
         if version is None:
             raise AdapterError(f"the model {name!r} does not exist", status=404)
         if version.key not in self._checked:  # configured ones, on their first request
-            read_adapter_config(version.path, self.max_lora_rank)
+            if isinstance(version.path, Path):  # a hub adapter's files are checked when read
+                read_adapter_config(version.path, self.max_lora_rank)
             self._checked.add(version.key)
         return version
 
@@ -98,14 +100,22 @@ class AdapterRegistry:
         pinned: bool = False,
         check: Callable[[Path], object] | None = None,
     ) -> AdapterVersion:
-        """Serve the adapter at `path` as `name` from now on, as a new version. `check(path)`
-        (default: the cheap config check) may raise AdapterError to refuse it. Raises
-        AdapterError: 400 when `name` is live (even with requests of an unloaded older version
-        still running, the name is free)."""
+        """Serve the adapter at `path` (a folder, or `hf://org/name@<commit>`) as `name` from
+        now on, as a new version. `check(path)` (default: the cheap config check) may raise
+        AdapterError to refuse a folder; a hub adapter, checked by whoever pinned it, has its
+        files checked when they are read. Raises AdapterError: 400 when `name` is live (even
+        with requests of an unloaded older version still running, the name is free) or a hub
+        reference is not pinned to a commit."""
         if name in self._live:
             raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
-        path = Path(path)
-        if check is None:
+        try:
+            path = location_of(path)
+        except ValueError as e:
+            raise AdapterError(str(e)) from e
+        if isinstance(path, HubRef):
+            if not path.pinned:
+                raise AdapterError(f"{path} is not pinned to a commit")
+        elif check is None:
             read_adapter_config(path, self.max_lora_rank)
         else:
             check(path)
@@ -139,9 +149,9 @@ class AdapterRegistry:
 
     # -- versions -------------------------------------------------------------------------------
 
-    def path(self, key: str) -> Path:
-        """The folder of a version (retired ones included). Raises AdapterError 404 for a key
-        no version has (dropped)."""
+    def path(self, key: str) -> Location:
+        """The folder (or hub reference) of a version (retired ones included). Raises
+        AdapterError 404 for a key no version has (dropped)."""
         version = self._versions.get(key)
         if version is None:
             raise AdapterError(f"adapter version {key!r} no longer exists", status=404)
@@ -174,7 +184,7 @@ class AdapterRegistry:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _add(self, name: str, path: Path, source: Source, *, pinned: bool) -> AdapterVersion:
+    def _add(self, name: str, path: Location, source: Source, *, pinned: bool) -> AdapterVersion:
         key = name
         while key in self._versions:  # an older version of the name (or a name like it) holds it
             key = f"{name}#{next(self._suffixes)}"

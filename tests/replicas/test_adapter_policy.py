@@ -116,7 +116,8 @@ class TestLoadingModes:
 LAYERS = [
     {"stats", "modes", "policy", "host_cache", "slot_pool", "prefetcher", "host_threads"},
     {"loader"},
-    {"registry", "uploader", "reader"},
+    {"hub"},
+    {"registry", "uploader", "reader", "fetcher"},
     {"manager"},
 ]
 PLAIN = ["stats", "modes", "policy", "host_cache", "slot_pool", "prefetcher"]  # no torch
