@@ -47,8 +47,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from app.adapters import AdapterError, AdapterRegistry
-from app.fleet import FleetClient, ServeFleetClient
+from app.engine_client import ENGINE_FAILED, ServeEngineClient
+from app.fleet import FleetClient
 from app.guards import ApiKeyGuard, BodyLimit, default_body_limit
+from app.hub import HubAdapters
 from app.management import AdapterAdmin
 from app.metrics import GenerationTimer, IngressMetrics, RequestCounter
 from app.protocol import (
@@ -74,7 +76,8 @@ from app.protocol import (
     UsageInfo,
 )
 from app.tokenization import ChatTemplateError, TextStream, TokenizerPool, load_tokenizer
-from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
+from replicas.adapters.hub import HubAccess
+from replicas.protocol import GenerateChunk, GenerateRequest
 from replicas.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -103,53 +106,6 @@ class EngineClient(FleetClient, Protocol):
     async def info(self) -> dict[str, Any]: ...
 
 
-class ServeEngineClient(ServeFleetClient):
-    """`EngineClient` over a handle to the engine deployment. The adapter name is the request's
-    multiplexed model id, which the router uses to place it."""
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        from ray.exceptions import RayActorError
-        from ray.serve.exceptions import (
-            BackPressureError,
-            DeploymentUnavailableError,
-            ReplicaUnavailableError,
-        )
-
-        # Under this ingress's id: the engine aborts the request if this process dies.
-        response = self._handle.options(
-            stream=True, multiplexed_model_id=request.adapter or ""
-        ).generate.remote(request, self.caller_id)
-        finished = False
-        try:
-            async for chunk in response:
-                finished = chunk.finished
-                yield chunk
-        except (
-            BackPressureError,
-            DeploymentUnavailableError,
-            ReplicaUnavailableError,
-            RayActorError,
-        ) as e:
-            finished = True
-            # The exception names the replica's actor, process and class: the log's, not the
-            # client's.
-            logger.warning("request %s: engine replica failed: %r", request.request_id, e)
-            message = ENGINE_BUSY if isinstance(e, BackPressureError) else ENGINE_FAILED
-            yield GenerateChunk(
-                request.request_id,
-                finish_reason="error",
-                error=EngineError(message, 503, "ServiceUnavailableError"),
-            )
-        finally:
-            if not finished:
-                response.cancel()  # the replica's generator is cancelled, which aborts the request
-
-    async def info(self) -> dict[str, Any]:
-        return await self._handle.info.remote()
-
-
-ENGINE_FAILED = "the engine replica serving this request failed or is unavailable; retry"
-ENGINE_BUSY = "every engine replica's queue is full; retry later"
 INTERNAL_ERROR = "the server failed to complete this request (an internal error, logged)"
 
 
@@ -174,6 +130,9 @@ class ApiSettings:
     adapter_root: str | None = None
     max_lora_rank: int = 16
     runtime_adapter_dirs: tuple[str, ...] = ()  # empty: /v1/load_lora_adapter is off (403)
+    hub_adapter_repos: tuple[str, ...] = ()  # empty: no hub adapter fetched at run time
+    hub_timeout_s: float = 30.0
+    max_hub_adapter_bytes: int = 2 << 30
     api_key: str | None = field(default=None, repr=False)  # None: /v1/ is open
     max_model_len: int | None = None  # as configured, or the model's; sizes the body limit
     max_request_body_bytes: int | None = None  # None: from max_model_len
@@ -217,9 +176,7 @@ def make_api(
     threads stop when the app shuts down."""
     metrics = metrics if metrics is not None else IngressMetrics()
     service = OpenAIService(engine, TokenizerPool(tokenizer), settings, metrics)
-    admin = AdapterAdmin(
-        engine, service.registry, runtime_adapter_dirs=settings.runtime_adapter_dirs
-    )
+    admin = service.admin
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -328,7 +285,11 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
 
 
 def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status, headers=headers)
+    return JSONResponse(
+        error.to_response().model_dump(),
+        status_code=error.status,
+        headers={**error.headers, **(headers or {})},
+    )
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -371,6 +332,15 @@ class OpenAIService:
             adapter_root=settings.adapter_root,
             max_lora_rank=settings.max_lora_rank,
             fleet_view=engine.served_adapters,
+            serve_from_hub=self._serve_from_hub,
+        )
+        hub = HubAdapters(
+            settings.hub_adapter_repos,
+            HubAccess.from_env(settings.hub_timeout_s, settings.max_hub_adapter_bytes),
+            settings.max_lora_rank,
+        )
+        self.admin = AdapterAdmin(
+            engine, self.registry, runtime_adapter_dirs=settings.runtime_adapter_dirs, hub=hub
         )
         self._info: EngineInfo | None = None
         self._info_lock = asyncio.Lock()
@@ -388,11 +358,14 @@ class OpenAIService:
             cards.append(ModelCard(id=name, root=str(path), parent=base, max_model_len=max_len))
         return ModelList(data=cards)
 
+    async def _serve_from_hub(self, name: str) -> bool:
+        return await self.admin.serve_from_hub(name)
+
     async def resolve_adapter(self, model: str) -> str | None:
         try:
             return await self.registry.resolve(model)
         except AdapterError as e:
-            code = "model_not_found" if e.status == 404 else "invalid_adapter"
+            code = {404: "model_not_found", 400: "invalid_adapter"}.get(e.status)
             raise APIError(str(e), e.status, param="model", code=code) from e
 
     async def engine_info(self) -> EngineInfo:

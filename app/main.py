@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from app.adapters import AdapterError, validate_adapter_dir
 from app.config import AppArgs, check_pinned, looks_like_local_path
+from app.hub import pin_configured_adapters
 from app.ingress import ApiSettings, Ingress
+from replicas.adapters.hub import HUB_SCHEME, HubAccess
 from replicas.step_cost import load_step_cost
 
 if TYPE_CHECKING:
@@ -54,11 +56,13 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     # Validated again with the model's own adapters merged in (configured ones win on a name
     # clash) and every path absolute: replicas do not share the builder's working directory.
     adapters = {**source.adapters, **given.adapters}
+    hub = HubAccess.from_env(given.hub_timeout_s, given.max_hub_adapter_bytes)
     args = AppArgs.model_validate(
         {
             **given.model_dump(),
             "served_model_name": given.base_model_name,
-            "adapters": {name: _absolute(path) for name, path in adapters.items()},
+            # Hub ids pinned to a commit here: every replica serves the same weights.
+            "adapters": pin_configured_adapters(adapters, given.max_lora_rank, hub),
             "adapter_root": _absolute(given.adapter_root) if given.adapter_root else None,
             "timed_steps": _absolute(given.timed_steps) if given.timed_steps else None,
             "runtime_adapter_dirs": [
@@ -99,6 +103,9 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         adapter_root=args.adapter_root,
         max_lora_rank=args.max_lora_rank,
         runtime_adapter_dirs=tuple(args.runtime_adapter_dirs),
+        hub_adapter_repos=tuple(args.hub_adapter_repos),
+        hub_timeout_s=args.hub_timeout_s,
+        max_hub_adapter_bytes=args.max_hub_adapter_bytes,
         api_key=args.resolved_api_key(),
         max_model_len=args.max_model_len,
         max_request_body_bytes=args.max_request_body_bytes,
@@ -124,14 +131,21 @@ REPLICA_ENV = {
 }
 
 
+# The hub the builder pinned adapters on is the one replicas download them from. HF_TOKEN is not
+# passed (the runtime environment is shown on the dashboard): set it on every node.
+HUB_ENV = ("HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME")
+
+
 def replica_env() -> dict[str, str]:
-    """REPLICA_ENV, less what the environment building the app already sets (a user's choice)."""
-    return {name: value for name, value in REPLICA_ENV.items() if name not in os.environ}
+    """REPLICA_ENV, less what the environment building the app already sets (a user's choice),
+    plus the builder's hub settings (HUB_ENV) where set."""
+    env = {name: value for name, value in REPLICA_ENV.items() if name not in os.environ}
+    return env | {name: os.environ[name] for name in HUB_ENV if os.environ.get(name)}
 
 
 # Ray Serve's own router: power of two choices, preferring replicas that report the request's
-# multiplexed model id (the engine reports its GPU-resident adapters).
-POW2_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+# multiplexed model id (the engine reports its GPU-resident adapters); channels pinned.
+POW2_ROUTER = "router.serve_router:Pow2Router"
 AFFINITY_ROUTER = "router.serve_router:AffinityRequestRouter"
 ROUTING_STATS_PERIOD_S = 0.5  # how often Serve's controller polls each replica's residency
 
@@ -209,6 +223,8 @@ def check_adapters(adapters: dict[str, str], max_lora_rank: int) -> None:
     """Validate every configured adapter folder; raise ValueError naming the bad ones."""
     problems = []
     for name, path in sorted(adapters.items()):
+        if path.startswith(HUB_SCHEME):
+            continue  # pinned and checked against the hub already (pin_configured_adapters)
         try:
             validate_adapter_dir(path, max_lora_rank)
         except AdapterError as e:

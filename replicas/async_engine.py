@@ -6,6 +6,12 @@ with `call_soon_threadsafe` on the caller's event loop. New requests and prefetc
 taken in while a step runs too (`Engine.step`'s `on_idle`), so their adapters start loading at
 once; everything else in the inbox (aborts, calls), and whatever was posted after it, waits for
 the step to end.
+
+A caller may open a channel (`open_channel(key)`): while it is open, the tokens of that caller's
+requests after their first go into the channel, merged per request, and leave it as one batch
+an interval (`Channel.batches`) instead of one chunk per request; a request's first and last
+chunks still go to its own stream. Closing the channel hands what it holds back to the
+requests' streams.
 """
 
 from __future__ import annotations
@@ -35,6 +41,57 @@ STREAM_INTERVAL_S = 0.05
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    channel_key: str | None = None  # whose channel its later tokens may take
+    emitted: int = 0  # tokens handed out so far; engine thread
+
+
+class Channel:
+    """One caller's batched tokens (see the module docstring). `pending` is guarded by the
+    engine's lock: the engine thread adds to it, `batches` takes it whole."""
+
+    def __init__(
+        self,
+        key: str,
+        loop: asyncio.AbstractEventLoop,
+        interval_s: float,
+        lock: threading.Lock,
+    ) -> None:
+        self.key = key
+        self.loop = loop
+        self.interval_s = interval_s
+        self._lock = lock
+        self.pending: dict[str, GenerateChunk] = {}  # request id -> its tokens not yet sent
+        self.closed = False
+        self._ready = asyncio.Event()  # set when pending turns non-empty, or on close
+        self._sent_at = -float("inf")
+
+    def wake(self) -> None:
+        """From any thread: `batches` has something to look at."""
+        self.loop.call_soon_threadsafe(self._ready.set)
+
+    async def batches(self, idle_s: float) -> AsyncIterator[list[GenerateChunk]]:
+        """Each batch once at least `interval_s` has passed since the last; ends once closed,
+        or after `idle_s` with nothing to send (the caller opens a new one when it needs it)."""
+        while not self.closed:
+            try:
+                await asyncio.wait_for(self._ready.wait(), idle_s)
+            except TimeoutError:
+                with self._lock:
+                    if not self.pending:
+                        return
+                continue
+            self._ready.clear()
+            wait = self._sent_at + self.interval_s - self.loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            with self._lock:
+                if self.closed:
+                    return
+                batch = list(self.pending.values())
+                self.pending.clear()
+            if batch:
+                self._sent_at = self.loop.time()
+                yield batch
 
 
 class AsyncEngine:
@@ -44,7 +101,8 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
+        self._channels: dict[str, Channel] = {}  # caller key -> its open channel
+        self._lock = threading.Lock()  # guards _streams, _channels and every channel's pending
         self._stopped = False
         self._held: tuple[str, object] | None = None  # taken from the inbox mid-step, not run
         self.num_aborted = 0  # live requests aborted (caller closed, or abandoned); engine thread
@@ -64,12 +122,16 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream the request's tokens. Closing or cancelling the iteration aborts the request."""
+    async def generate(
+        self, request: GenerateRequest, channel_key: str | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's tokens. Closing or cancelling the iteration aborts the request.
+        While `channel_key`'s channel is open, the tokens between the first chunk and the last
+        go there instead."""
         if not self.alive:
             yield _error_chunk(request.request_id, "the engine is not running", 503)
             return
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), channel_key)
         with self._lock:
             if request.request_id in self._streams:
                 yield _error_chunk(request.request_id, "duplicate request id", 400)
@@ -79,9 +141,13 @@ class AsyncEngine:
         finished = False
         loop = stream.loop
         sent_at = None  # when the last chunk went out; None before the first token
+        following: GenerateChunk | None = None  # taken from the queue, not contiguous: next
         try:
             while not finished:
-                chunk = await stream.queue.get()
+                if following is not None:
+                    chunk, following = following, None
+                else:
+                    chunk = await stream.queue.get()
                 if sent_at is not None and not chunk.finished:
                     # A stream's tokens are held until its interval has passed since the last
                     # chunk and go out as one: every chunk costs a streaming item here, in the
@@ -91,9 +157,14 @@ class AsyncEngine:
                     if wait > 0:
                         await asyncio.sleep(wait)
                 # The first chunk goes out alone, at once: what a client times as its first
-                # token is the engine's. Later ones take whatever else is already queued.
+                # token is the engine's. Later ones take whatever else is already queued that
+                # follows on (the tokens between may have gone on a channel meanwhile).
                 while sent_at is not None and not chunk.finished and not stream.queue.empty():
-                    chunk = _merge(chunk, stream.queue.get_nowait())
+                    after = stream.queue.get_nowait()
+                    if after.error is None and after.start != chunk.start + len(chunk.token_ids):
+                        following = after
+                        break
+                    chunk = _merge(chunk, after)
                 finished = chunk.finished
                 sent_at = loop.time()
                 yield chunk
@@ -102,6 +173,42 @@ class AsyncEngine:
                 self._streams.pop(request.request_id, None)
             if not finished:
                 self._post("abort", (request.request_id, None))
+
+    def open_channel(self, key: str) -> Channel:
+        """Open `key`'s channel (closing one it had open): its requests' tokens after their
+        first chunk go there, those already running included. Close it with `close_channel`."""
+        channel = Channel(key, asyncio.get_running_loop(), self.stream_interval_s, self._lock)
+        with self._lock:
+            old = self._channels.get(key)
+            self._channels[key] = channel
+        if old is not None:
+            self.close_channel(old)
+        return channel
+
+    def close_channel(self, channel: Channel) -> None:
+        """What the channel holds goes back to its requests' streams, after whatever the engine
+        thread already queued for them (so in order), and their later tokens go there too.
+        Idempotent."""
+        with self._lock:
+            if self._channels.get(channel.key) is channel:
+                del self._channels[channel.key]
+            channel.closed = True
+            pending, channel.pending = channel.pending, {}
+            batches = self._route_to_streams(pending.values())
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+        channel.wake()
+
+    def drop_channel(self, key: str) -> None:
+        """Close `key`'s channel, if open (its caller is dead)."""
+        with self._lock:
+            channel = self._channels.get(key)
+        if channel is not None:
+            self.close_channel(channel)
+
+    def channel_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._channels)
 
     async def call(self, fn, *args):
         """Run `fn(engine, *args)` on the engine thread between steps; returns its result or
@@ -207,15 +314,46 @@ class AsyncEngine:
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, handed to each caller loop in one callback: one wake-up of the loop
-        per step, not one per request."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
+        per step, not one per request. A request's tokens after its first chunk go to its
+        caller's channel when one is open; its last chunk takes what the channel still holds of
+        it and goes to its own stream."""
+        woken: list[Channel] = []
         with self._lock:
+            chunks = []
             for output in outputs:
                 stream = self._streams.get(output.request_id)
-                if stream is not None:  # else the caller went away; its abort is on the way
-                    batches.setdefault(stream.loop, []).append((stream.queue, _chunk(output)))
+                if stream is None:  # the caller went away; its abort is on the way
+                    continue
+                chunk = _chunk(output, stream.emitted)
+                first = stream.emitted == 0
+                stream.emitted += len(chunk.token_ids)
+                channel = self._channels.get(stream.channel_key) if stream.channel_key else None
+                if channel is not None and not first:
+                    held = channel.pending.pop(output.request_id, None)
+                    if held is not None:
+                        chunk = _merge(held, chunk)
+                    if not chunk.finished:
+                        if not channel.pending:
+                            woken.append(channel)
+                        channel.pending[output.request_id] = chunk
+                        continue
+                chunks.append(chunk)
+            batches = self._route_to_streams(chunks)
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
+        for channel in woken:
+            channel.wake()
+
+    def _route_to_streams(
+        self, chunks
+    ) -> dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]]:
+        """Each chunk with its stream's queue, by the stream's loop; holds `_lock`."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
+        for chunk in chunks:
+            stream = self._streams.get(chunk.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, chunk))
+        return batches
 
     def _send(self, request_id: str, chunk: GenerateChunk) -> None:
         with self._lock:
@@ -225,7 +363,7 @@ class AsyncEngine:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
 
 
-def _chunk(output: RequestOutput) -> GenerateChunk:
+def _chunk(output: RequestOutput, start: int) -> GenerateChunk:
     error = None
     if output.error is not None:
         status = output.error_status or (500 if output.error.startswith("internal") else 400)
@@ -237,6 +375,7 @@ def _chunk(output: RequestOutput) -> GenerateChunk:
         output.num_prompt_tokens,
         error,
         output.metrics,
+        start,
     )
 
 
@@ -274,4 +413,6 @@ def _merge(a: GenerateChunk, b: GenerateChunk) -> GenerateChunk:
         b.num_prompt_tokens or a.num_prompt_tokens,
         b.error,
         b.metrics,
+        a.start,
+        a.replica_id,
     )

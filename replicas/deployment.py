@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from ray import serve
@@ -38,6 +38,8 @@ LEDGER_NAMESPACE = "lorafleet"
 # are aborted within LEASE_S + LEASE_SWEEP_S of its death (plus the GCS's own notice, ~20 ms,
 # and its answer). A live caller's requests are never aborted, however late the answer.
 LEASE_S = 0.5
+CHANNEL_IDLE_S = 1.0  # a caller's channel with nothing to send for this long ends (a draining
+# replica waits for it: Serve counts it as an ongoing request)
 LEASE_SWEEP_S = 0.25  # how often a replica looks for callers whose lease lapsed
 CALLERS_KEPT = 64  # callers whose last request's end `stats()` reports
 LOAD_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
@@ -127,15 +129,38 @@ class EngineDeployment:
         is dead (`abort_abandoned`)."""
         if caller is not None:
             self.leases.track(request.request_id, caller, lease_s)
+        first = True
         try:
-            async for chunk in self.engine.generate(request):
+            async for chunk in self.engine.generate(request, caller):
                 if chunk.metrics is not None:
                     self.metrics.request_finished(request.adapter is not None, chunk.metrics)
+                if first:  # where the caller may open a channel (`channel`)
+                    chunk = replace(chunk, replica_id=self.replica_id)
+                    first = False
                 yield chunk
         finally:
             self.leases.release(request.request_id)
             if caller is not None and not self.leases.owns(caller):
                 self._caller_done(caller)
+
+    async def channel(
+        self, caller: str, replica_id: str, idle_s: float = CHANNEL_IDLE_S
+    ) -> AsyncIterator[list[GenerateChunk]]:
+        """`caller`'s channel on this replica: an empty batch at once (open), then batches of
+        its requests' chunks between their first and last, one batch an interval for all of
+        them (`replicas.async_engine.Channel`). Routed here by `replica_id` (the router pins the
+        call); a replica reached by mistake yields nothing and ends. Ends after `idle_s` with
+        nothing to send, and when the caller is found dead; what it holds then goes back to
+        the requests' own streams."""
+        if replica_id != self.replica_id:
+            return
+        channel = self.engine.open_channel(caller)
+        try:
+            yield []
+            async for batch in channel.batches(idle_s):
+                yield batch
+        finally:
+            self.engine.close_channel(channel)
 
     def _caller_done(self, caller: str) -> None:
         self.caller_done_at.pop(caller, None)
@@ -162,6 +187,7 @@ class EngineDeployment:
                 self.abandoned_at = time.time()
                 logger.warning("aborting request %s: its caller %s is dead", request_id, caller)
                 self.engine.abort(request_id, "the request's caller went away")
+            self.engine.drop_channel(caller)
             self._caller_done(caller)
 
     async def info(self) -> dict:

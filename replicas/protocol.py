@@ -4,6 +4,11 @@
 more chunks of new token ids, the last one carrying `finish_reason`. A request the engine refuses
 yields exactly one chunk with `error` set and `finish_reason == "error"`. Cancelling the generator
 (client disconnect) aborts the request and frees its KV blocks and adapter slot.
+
+A caller with a channel open on the replica (`EngineDeployment.channel`) gets a request's first
+and last chunks on the request's own stream and the ones between on the channel, batched with
+its other requests' (one Ray item an interval for all of them). Every chunk says where its tokens
+start in the output (`start`), so the caller puts the two streams back in order.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class GenerateChunk:
     num_prompt_tokens: int = 0
     error: EngineError | None = None
     metrics: dict[str, float] | None = None  # on the last chunk: queue_s, adapter_wait_s
+    start: int = 0  # where token_ids start in the request's output
+    replica_id: str | None = None  # on the first chunk: the engine replica serving it
 
     @property
     def finished(self) -> bool:

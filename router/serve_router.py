@@ -24,6 +24,10 @@ for the same adapter), while affinity placement is per request; the base router'
 keeps each placement with the request it was chosen for. No `LocalityMixin`: an adapter load
 on a GPU costs far more than a hop to another node.
 
+A caller's channel to one engine replica (`EngineDeployment.channel(caller, replica_id)`) is
+pinned: it goes to the replica it names or waits (`pinned`), in this router and in `Pow2Router`
+(Ray's power of two choices, pinning added), and is no placement the policy counts.
+
 `request_router_kwargs`: `prefetch_hints` (bool, default true), `hint_interval_s` (0.5),
 `num_slots` (GPU slots of a replica that has not reported yet, default 8); every other key goes
 to `AffinityPolicy` (e.g. `imbalance_bound`).
@@ -34,13 +38,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.hints import HINT_INTERVAL_S, HintSender, board_name, lookup_board
 from router.policy import AffinityPolicy
 from router.routing import DEFAULT_NUM_SLOTS, AffinityRouting, replica_view
 
-__all__ = ["AffinityRequestRouter", "AffinityRouting", "replica_view", "request_tokens"]
+__all__ = [
+    "AffinityRequestRouter",
+    "AffinityRouting",
+    "Pow2Router",
+    "pinned",
+    "replica_view",
+    "request_tokens",
+]
+
+CHANNEL_METHOD = "channel"
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,6 +70,44 @@ def request_tokens(pending_request: PendingRequest | None) -> int:
     if prompt is None:
         return 0
     return len(prompt) + int(getattr(sampling, "max_tokens", 0) or 0)
+
+
+def pinned(
+    candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[list[RunningReplica]] | None:
+    """For a channel call, the one tier of the replica it names (empty while that replica is
+    not a candidate: Serve then waits, and the caller gives up after its own timeout); None
+    for any other call."""
+    if pending_request is None or pending_request.metadata.call_method != CHANNEL_METHOD:
+        return None
+    args = pending_request.args
+    target = args[1] if len(args) > 1 else pending_request.kwargs.get("replica_id")
+    return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+
+
+class Pow2Router(PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default router, with channel calls pinned (`pinned`). Its FIFO matching
+    hands a replica found for one request to another pending one: a replica found for a
+    channel goes to that channel only. (A replica found for another request may still reach a
+    pending channel, which then lands elsewhere, ends unopened, and the caller tries again.)"""
+
+    def _fulfill_next_pending_request(
+        self, replica: RunningReplica, request_metadata: Any = None
+    ) -> None:
+        if request_metadata is not None and request_metadata.call_method == CHANNEL_METHOD:
+            RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
+            return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        tiers = pinned(candidate_replicas, pending_request)
+        if tiers is not None:
+            return tiers
+        return await super().choose_replicas(candidate_replicas, pending_request)
 
 
 class AffinityRequestRouter(RequestRouter):
@@ -81,6 +133,9 @@ class AffinityRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        tiers = pinned(candidate_replicas, pending_request)
+        if tiers is not None:
+            return tiers
         adapter = None
         if pending_request is not None:
             adapter = pending_request.metadata.multiplexed_model_id or None
@@ -95,6 +150,8 @@ class AffinityRequestRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         metadata = pending_request.metadata
+        if metadata.call_method == CHANNEL_METHOD:
+            return
         self.routing.routed(
             metadata.internal_request_id,
             metadata.multiplexed_model_id or None,

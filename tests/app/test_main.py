@@ -214,9 +214,13 @@ class TestRouterConfig:
         return request_router_config(AppArgs(**kw))
 
     def test_pow2_is_rays_default_router(self):
-        assert self._config(router="pow2")["request_router_class"].endswith(
-            "PowerOfTwoChoicesRequestRouter"
-        )
+        import importlib
+
+        from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+        module, _, name = self._config(router="pow2")["request_router_class"].partition(":")
+        router = getattr(importlib.import_module(module), name)
+        assert issubclass(router, PowerOfTwoChoicesRequestRouter)
 
     def test_affinity_hints_follow_the_arg_and_the_loading_mode(self):
         kwargs = lambda **kw: self._config(router="affinity", **kw)["request_router_kwargs"]

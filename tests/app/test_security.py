@@ -460,7 +460,7 @@ class TestEngineFailures:
     ):
         from ray.exceptions import ActorDiedError
 
-        from app.ingress import ServeEngineClient
+        from app.engine_client import ServeEngineClient
 
         # Asked outside an actor, Ray starts a local cluster (seconds of both cores) to answer.
         monkeypatch.setattr("app.fleet.caller_id", lambda: "ingress-actor")
@@ -527,8 +527,8 @@ class FakeHandle:
         return _Streamed(self._chunks(request))
 
     async def _chunks(self, request: GenerateRequest):
-        for _ in range(self.after_chunks):
-            yield GenerateChunk(request.request_id, list(b"ab"), None, 1)
+        for i in range(self.after_chunks):
+            yield GenerateChunk(request.request_id, list(b"ab"), None, 1, start=2 * i)
         raise self.error
 
 

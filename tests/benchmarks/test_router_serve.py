@@ -31,7 +31,7 @@ class TestDeployment:
             assert config.request_router_class.endswith(
                 "AffinityRequestRouter"
                 if setup.router == "affinity"
-                else "PowerOfTwoChoicesRequestRouter"
+                else "Pow2Router"
             )
             hints = config.request_router_kwargs.get("prefetch_hints", False)
             assert hints == setup.prefetch_hints, setup

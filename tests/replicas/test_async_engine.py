@@ -57,3 +57,111 @@ async def test_chunks_are_coalesced_with_the_same_tokens(engine):
         assert all(gap >= HOLD_S / 2 for gap in gaps), times
     # ...and held, a chunk carries several tokens: fewer chunks than tokens.
     assert sum(map(len, held.values())) < len(PROMPTS) * MAX_TOKENS
+
+
+def _assemble(chunks) -> list[int]:
+    """A request's tokens from chunks that came by two ways, put in order by `start`."""
+    tokens: list[int] = []
+    for chunk in sorted(chunks, key=lambda c: (c.start, not c.token_ids)):
+        assert chunk.start == len(tokens) or not chunk.token_ids, "a gap or an overlap"
+        tokens += chunk.token_ids
+    return tokens
+
+
+async def _through_channel(engine: AsyncEngine, close_after_batches: int | None = None):
+    """Every request with channel key "c" open; returns (request id -> chunks from its own
+    stream, request id -> chunks from the channel, batches the channel sent). With
+    `close_after_batches`, the channel is read that far and then closed while requests run."""
+    channel = engine.open_channel("c")
+    from_channel: dict[str, list] = {}
+    batches: list[list] = []
+
+    async def read() -> None:
+        async for batch in channel.batches(idle_s=5.0):
+            batches.append(batch)
+            for chunk in batch:
+                from_channel.setdefault(chunk.request_id, []).append(chunk)
+            if close_after_batches is not None and len(batches) >= close_after_batches:
+                await asyncio.sleep(engine.stream_interval_s / 2)  # more comes in meanwhile
+                engine.close_channel(channel)
+
+    async def one(i: int) -> list:
+        request = GenerateRequest(f"r{i}", PROMPTS[i], greedy(MAX_TOKENS))
+        return [chunk async for chunk in engine.generate(request, "c")]
+
+    reader = asyncio.create_task(read())
+    results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+    engine.close_channel(channel)
+    await asyncio.wait_for(reader, 5.0)
+    return {f"r{i}": chunks for i, chunks in enumerate(results)}, from_channel, batches
+
+
+async def test_a_channel_carries_every_request_between_its_first_and_last_chunks(engine):
+    engine.stream_interval_s = 0.0
+    plain = await stream_all(engine)
+    engine.stream_interval_s = 0.05
+    own, from_channel, batches = await _through_channel(engine)
+    for request_id, chunks in plain.items():
+        expected = [t for _, chunk in chunks for t in chunk]
+        # Its own stream: the first token at once, and the last chunk; the rest on the channel.
+        assert len(own[request_id]) == 2, own[request_id]
+        assert len(own[request_id][0].token_ids) == 1 and own[request_id][-1].finished
+        assert from_channel.get(request_id), "nothing went by the channel"
+        assert _assemble(own[request_id] + from_channel[request_id]) == expected
+    # A batch holds several requests' tokens: fewer items than chunks.
+    assert max(len({c.request_id for c in batch}) for batch in batches) > 1
+
+
+async def test_closing_a_channel_hands_what_it_holds_back_to_the_streams(engine):
+    engine.stream_interval_s = 0.0
+    plain = await stream_all(engine)
+    engine.stream_interval_s = 0.05
+    own, from_channel, batches = await _through_channel(engine, close_after_batches=1)
+    assert len(batches) == 1
+    assert not engine.channel_keys()
+    for request_id, chunks in plain.items():
+        expected = [t for _, chunk in chunks for t in chunk]
+        got = own[request_id] + from_channel.get(request_id, [])
+        assert _assemble(got) == expected  # nothing lost, nothing twice
+    # The close came mid-way: most tokens between first and last came back on the streams.
+    assert sum(len(c.token_ids) for c in batches[0]) < len(PROMPTS) * (MAX_TOKENS - 2) / 2
+
+
+async def test_a_channel_with_nothing_to_send_ends_and_a_closed_one_ends_at_once(engine):
+    channel = engine.open_channel("idle")
+    assert [b async for b in channel.batches(idle_s=0.05)] == []
+    channel = engine.open_channel("dropped")
+    reader = asyncio.create_task(_collect(channel.batches(idle_s=30.0)))
+    await asyncio.sleep(0.01)
+    engine.drop_channel("dropped")
+    assert await asyncio.wait_for(reader, 2.0) == []
+    assert "dropped" not in engine.channel_keys()
+
+
+async def _collect(batches) -> list:
+    return [b async for b in batches]
+
+
+async def test_a_channel_opened_mid_request_loses_and_repeats_nothing(engine):
+    engine.stream_interval_s = 0.0
+    plain = await stream_all(engine)
+    engine.stream_interval_s = 0.05
+    from_channel: dict[str, list] = {}
+
+    async def one(i: int) -> list:
+        request = GenerateRequest(f"r{i}", PROMPTS[i], greedy(MAX_TOKENS))
+        return [chunk async for chunk in engine.generate(request, "c")]
+
+    async def open_later() -> None:
+        await asyncio.sleep(0.03)  # the streams are under way, some tokens held in them
+        channel = engine.open_channel("c")
+        async for batch in channel.batches(idle_s=0.5):
+            for chunk in batch:
+                from_channel.setdefault(chunk.request_id, []).append(chunk)
+
+    reader = asyncio.create_task(open_later())
+    results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+    await asyncio.wait_for(reader, 5.0)
+    for i, own in enumerate(results):
+        expected = [t for _, chunk in plain[f"r{i}"] for t in chunk]
+        assert _assemble(own + from_channel.get(f"r{i}", [])) == expected

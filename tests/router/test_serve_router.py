@@ -17,6 +17,7 @@ from router.policy import AffinityPolicy, ReplicaView
 from router.serve_router import (
     AffinityRequestRouter,
     AffinityRouting,
+    Pow2Router,
     replica_view,
     request_tokens,
 )
@@ -457,11 +458,45 @@ class TestRequestRouter:
         assert router.routing.tokens_in_flight("r1") == 0
 
 
+    def channel(self, replica_id: str, request_id: str = "c1"):
+        from ray.serve._private.common import RequestMetadata
+        from ray.serve.request_router import PendingRequest
+
+        metadata = RequestMetadata(
+            request_id=request_id, internal_request_id=request_id, call_method="channel"
+        )
+        return PendingRequest(args=["ingress-1", replica_id], kwargs={}, metadata=metadata)
+
+    @pytest.mark.parametrize("router_cls", ["affinity", "pow2"])
+    async def test_a_channel_goes_to_the_replica_it_names_or_waits(self, router, router_cls):
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        if router_cls == "pow2":
+            router = Pow2Router(
+                deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
+                handle_source=DeploymentHandleSource.UNKNOWN,
+            )
+        # r1 is the busier replica with nothing resident: no policy would pick it.
+        replicas = [FakeReplica("r0", stats(gpu=["a"])), FakeReplica("r1", stats(running=9))]
+        assert await router.choose_replicas(replicas, self.channel("r1")) == [[replicas[1]]]
+        assert await router.choose_replicas(replicas, self.channel("gone")) == [[]]
+
+    async def test_a_channel_is_no_placement_the_policy_counts(self, router):
+        from ray.serve._private.common import DeploymentID
+        from ray.serve.request_router import ReplicaID
+
+        rid = ReplicaID("r1", DeploymentID(name="EngineDeployment", app_name="app"))
+        router.on_request_routed(self.channel("r1"), rid, result=None)
+        assert not router.routing._routed  # a request would be: see the test above
+        router.on_request_routed(self.pending("a"), rid, result=None)
+        assert list(router.routing._routed) == ["q1"]
+
+
 class TestConfig:
     @pytest.mark.parametrize(
         ("args", "cls", "kwargs"),
         [
-            ({"router": "pow2"}, "PowerOfTwoChoicesRequestRouter", {}),
+            ({"router": "pow2"}, "Pow2Router", {}),
             ({}, "AffinityRequestRouter", {"prefetch_hints": True, "num_slots": 8}),
             (
                 {"router": "affinity", "enable_prefetch": False, "max_loras_per_batch": 4},

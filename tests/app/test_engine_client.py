@@ -1,0 +1,149 @@
+"""The ingress's engine client (app/engine_client.py) over a fake handle: a request's chunks
+from its own stream and from the channel come out in token order, a channel that fails with
+tokens in flight fails only the requests missing them, and a channel that cannot open costs
+nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import app.engine_client as engine_client
+from app.engine_client import ServeEngineClient
+from replicas.protocol import GenerateChunk, GenerateRequest
+from replicas.request import SamplingParams
+
+TOKENS = list(range(100, 110))
+
+
+class Streamed:
+    def __init__(self, gen) -> None:
+        self._gen = gen
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._gen
+
+    async def __anext__(self):
+        return await self._gen.__anext__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class FakeHandle:
+    """An engine deployment of one replica, "e1": a request's stream sends its first token, then
+    waits for `release` and sends the rest as its last chunk unless `channel_tokens` of them went
+    on the channel first (`channel_mode`: "ok", "fail" after opening, or "refuse")."""
+
+    def __init__(self, channel_mode: str = "ok", channel_tokens: int = 6) -> None:
+        self.channel_mode = channel_mode
+        self.channel_tokens = channel_tokens
+        self.release = asyncio.Event()
+        self.channel_open = asyncio.Event()
+        self.channel_calls = 0
+        self.responses: list[Streamed] = []
+        self.generate = Method(self._generate)
+        self.channel = Method(self._channel)
+
+    def options(self, **_):
+        return self
+
+    def _generate(self, request: GenerateRequest, caller):
+        assert caller == "ingress-1"
+        response = Streamed(self._request(request))
+        self.responses.append(response)
+        return response
+
+    async def _request(self, request: GenerateRequest):
+        rid = request.request_id
+        yield GenerateChunk(rid, TOKENS[:1], None, 3, replica_id="e1")
+        await self.release.wait()
+        start = 1 + (self.channel_tokens if self.channel_mode != "refuse" else 0)
+        yield GenerateChunk(rid, TOKENS[start:], "length", 3, start=start)
+
+    def _channel(self, caller, replica_id):
+        assert (caller, replica_id) == ("ingress-1", "e1")
+        self.channel_calls += 1
+        return Streamed(self._batches())
+
+    async def _batches(self):
+        if self.channel_mode == "refuse":
+            return
+        yield []
+        self.channel_open.set()
+        # The middle tokens come after the request's last chunk: out of order on purpose.
+        self.release.set()
+        await asyncio.sleep(0.05)
+        if self.channel_mode == "fail":
+            raise RuntimeError("the channel broke")
+        yield [GenerateChunk("r1", TOKENS[1 : 1 + self.channel_tokens], start=1)]
+        await asyncio.Event().wait()  # open until cancelled
+
+
+@pytest.fixture
+def client_for(monkeypatch):
+    monkeypatch.setattr("app.fleet.caller_id", lambda: "ingress-1")
+    return ServeEngineClient
+
+
+def request() -> GenerateRequest:
+    return GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=len(TOKENS)))
+
+
+async def test_chunks_from_the_stream_and_the_channel_come_out_in_order(client_for):
+    handle = FakeHandle("ok")
+    client = client_for(handle)
+    chunks = [c async for c in client.generate(request())]
+    assert [t for c in chunks for t in c.token_ids] == TOKENS
+    assert [c.start for c in chunks] == [0, 1, 7]
+    assert chunks[-1].finish_reason == "length" and not any(c.finished for c in chunks[:-1])
+    assert handle.channel_calls == 1
+    await client.close()
+
+
+async def test_a_channel_that_fails_with_tokens_in_flight_fails_the_request(
+    client_for, monkeypatch
+):
+    monkeypatch.setattr(engine_client, "GAP_WAIT_S", 0.05)
+    client = client_for(FakeHandle("fail"))
+    chunks = [c async for c in client.generate(request())]
+    assert chunks[0].token_ids == TOKENS[:1]
+    assert chunks[-1].finish_reason == "error" and chunks[-1].error.status == 503
+    assert "engine replica" in chunks[-1].error.message
+    assert [t for c in chunks for t in c.token_ids] == TOKENS[:1]  # nothing out of order
+
+
+async def test_a_channel_that_does_not_open_is_tried_again_later_and_costs_nothing(client_for):
+    handle = FakeHandle("refuse")
+    client = client_for(handle)
+    handle.release.set()
+    first = client.generate(request())
+    assert (await first.__anext__()).token_ids == TOKENS[:1]
+    for _ in range(20):  # the channel's call ends unopened
+        await asyncio.sleep(0.01)
+        if not client._channels:
+            break
+    assert not client._channels
+    rest = [c async for c in first]
+    assert [t for c in rest for t in c.token_ids] == TOKENS[1:]
+    # The next request's offer does not retry at once.
+    again = [c async for c in client.generate(GenerateRequest("r2", [1], request().sampling))]
+    assert again[-1].finished and handle.channel_calls == 1
+
+
+async def test_closing_a_request_cancels_its_call_and_forgets_it(client_for):
+    handle = FakeHandle("ok")
+    client = client_for(handle)
+    stream = client.generate(request())
+    await stream.__anext__()
+    await stream.aclose()
+    assert handle.responses[0].cancelled
+    assert not client._inboxes and not client._replica_of
+    await client.close()
