@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from replicas.adapters.hub import HubRef, Location, location_of
 from replicas.adapters.loader import AdapterError, check_adapter_files
 
 __all__ = [
@@ -38,7 +39,8 @@ logger = logging.getLogger("ray.serve")
 FLEET_VIEW_TIMEOUT_S = 2.0
 MAX_ADAPTER_NAME_BYTES = 255  # a folder name under adapter_root (NAME_MAX)
 
-Source = Literal["config", "runtime", "adapter_root"]
+# hub: named by a request as `org/name[@revision]` and fetched on first use (`app/hub.py`)
+Source = Literal["config", "runtime", "adapter_root", "hub"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class FleetView:
 
 @dataclass(frozen=True)
 class RegisteredAdapter:
-    path: Path
+    path: Location  # a folder, or a hub adapter pinned to a commit
     source: Source  # configured at start-up, loaded at run time, or found under adapter_root
 
 
@@ -114,6 +116,10 @@ class AdapterRegistry:
     `fleet_view` (optional) fetches an engine replica's `FleetView`; `refresh` applies it. It is
     asked when a name is not known here, so an adapter loaded through another ingress replica is
     found; at most one fetch is in flight, callers that miss meanwhile share its answer.
+
+    `serve_from_hub` (optional) is asked last about a name nobody serves: it starts serving the
+    hub adapter the name is (`org/name[@revision]`, when allowed) across the fleet and returns
+    True, or returns False (a 404), or raises AdapterError (404, 400, 503).
     """
 
     def __init__(
@@ -124,21 +130,23 @@ class AdapterRegistry:
         adapter_root: str | Path | None,
         max_lora_rank: int,
         fleet_view: Callable[[], Awaitable[FleetView]] | None = None,
+        serve_from_hub: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.base_name = base_name
         self.adapter_root = Path(adapter_root) if adapter_root is not None else None
         self.max_lora_rank = max_lora_rank
-        self._configured = {name: Path(path) for name, path in adapters.items()}
+        self._configured = {name: location_of(path) for name, path in adapters.items()}
         self._entries: dict[str, RegisteredAdapter] = {
             name: RegisteredAdapter(path, "config") for name, path in self._configured.items()
         }
         self._unloaded: set[str] = set()
         self._fleet_view = fleet_view
+        self._serve_from_hub = serve_from_hub
         self._refreshing: asyncio.Future[None] | None = None
 
     @property
-    def adapters(self) -> dict[str, Path]:
-        """Name -> folder of every adapter known so far."""
+    def adapters(self) -> dict[str, Location]:
+        """Name -> folder (or hub reference) of every adapter known so far."""
         return {name: entry.path for name, entry in self._entries.items()}
 
     @property
@@ -152,9 +160,9 @@ class AdapterRegistry:
             return True
         return name not in self._unloaded and self._root_folder(name) is not None
 
-    def add(self, name: str, path: str | Path) -> None:
-        """An adapter loaded at run time."""
-        self._entries[name] = RegisteredAdapter(Path(path), "runtime")
+    def add(self, name: str, path: str | Location, source: Source = "runtime") -> None:
+        """An adapter loaded at run time (or served from the hub on first use)."""
+        self._entries[name] = RegisteredAdapter(location_of(path), source)
         self._unloaded.discard(name)
 
     def remove(self, name: str) -> None:
@@ -170,13 +178,17 @@ class AdapterRegistry:
             if name not in view.adapters:
                 self.remove(name)
         for name, path in view.adapters.items():
+            location = location_of(path)
             known = self._entries.get(name)
-            if known is None or known.path != Path(path):
-                configured = self._configured.get(name) == Path(path)
-                self._entries[name] = RegisteredAdapter(
-                    Path(path), "config" if configured else "runtime"
-                )
+            if known is None or known.path != location:
+                self._entries[name] = RegisteredAdapter(location, self._source(name, location))
             self._unloaded.discard(name)
+
+    def _source(self, name: str, location: Location) -> Source:
+        if self._configured.get(name) == location:
+            return "config"
+        # Names with '/' are hub ids: nothing else may contain one (check_adapter_name).
+        return "hub" if isinstance(location, HubRef) and "/" in name else "runtime"
 
     async def refresh(self) -> None:
         """Fetch an engine replica's view and apply it. An engine that does not answer leaves
@@ -203,9 +215,10 @@ class AdapterRegistry:
     async def resolve(self, model: str) -> str | None:
         """The adapter `model` names, or None for the base model.
 
-        Accepted: the base name, an adapter name, `"<base>:<adapter>"`, or the name of a folder
-        under `adapter_root` (validated on first use). Raises `AdapterError`: 404 for an unknown
-        model, 400 for an adapter folder that exists but cannot be served.
+        Accepted: the base name, an adapter name, `"<base>:<adapter>"`, the name of a folder
+        under `adapter_root` (validated on first use), or an allowed hub adapter
+        (`serve_from_hub`). Raises `AdapterError`: 404 for an unknown model, 400 for an adapter
+        that exists but cannot be served, 503 for a hub that does not answer.
         """
         if model == self.base_name:
             return None
@@ -220,6 +233,12 @@ class AdapterRegistry:
         await self.refresh()  # loaded through another ingress replica?
         if name in self._entries:
             return name
+        if name not in self._unloaded and self._serve_from_hub is not None:
+            try:
+                if await self._serve_from_hub(name):
+                    return name
+            except AdapterError as e:
+                raise AdapterError(f"The model `{model}` cannot be served: {e}", e.status) from e
         raise AdapterError(f"The model `{model}` does not exist.", status=404)
 
     def _root_folder(self, name: str) -> Path | None:

@@ -52,7 +52,10 @@ class AppArgs(BaseModel):
         default_factory=dict,
         description=(
             "LoRA adapters known at start-up, name -> PEFT folder (adapter_config.json and "
-            "adapter_model.safetensors). Each is validated when the application is built."
+            "adapter_model.safetensors) or Hugging Face Hub repo (org/name, org/name@revision "
+            "or hf://org/name[@revision], pinned to the commit it names when the app is built, "
+            "downloaded by each engine replica on first use). Each is validated when the "
+            "application is built."
         ),
     )
     adapter_root: str | None = Field(
@@ -69,6 +72,33 @@ class AppArgs(BaseModel):
             "Folders /v1/load_lora_adapter may load from: lora_path must resolve (symlinks "
             "followed) to a folder inside one of them. Empty: run-time loading is off (403), "
             "except for the demo, which then allows its own adapters folder."
+        ),
+    )
+    hub_adapter_repos: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Hugging Face Hub repos adapters may be fetched from at run time, as glob patterns "
+            "over repo ids (myorg/*, org/sql-lora): a request's model naming one "
+            "(org/name[@revision]) is served on first use, and /v1/load_lora_adapter takes "
+            "lora_path hf://org/name[@revision]. Each is pinned to a commit when first named. "
+            "Empty: no adapter is fetched from the hub at run time (403)."
+        ),
+    )
+    max_hub_adapter_gib: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "The largest weights file (adapter_model.safetensors) a hub adapter may have, in "
+            "GiB; larger ones are refused (400) before they are downloaded."
+        ),
+    )
+    hub_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "How long a request waits on the hub, to pin a hub adapter and then for its "
+            "download on an engine replica, before it is answered 503 with Retry-After (a "
+            "download goes on, and a later request finds it)."
         ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -260,6 +290,16 @@ class AppArgs(BaseModel):
             raise ValueError("folders must be non-empty strings")
         return folders
 
+    @field_validator("hub_adapter_repos")
+    @classmethod
+    def _repo_patterns(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            if pattern.count("/") != 1 or any(c.isspace() for c in pattern):
+                raise ValueError(
+                    f"{pattern!r} is not a pattern over hub repo ids (org/name, org/*)"
+                )
+        return patterns
+
     @field_validator("api_key")
     @classmethod
     def _key_non_empty(cls, key: SecretStr | None) -> SecretStr | None:
@@ -332,6 +372,10 @@ class AppArgs(BaseModel):
         return 2 * self.num_replicas if device == "cuda" else 1
 
     @property
+    def max_hub_adapter_bytes(self) -> int:
+        return int(self.max_hub_adapter_gib * 2**30)
+
+    @property
     def loading_mode(self) -> str:
         """The engine's adapter loading mode: adapter_loading when given, else from
         enable_prefetch."""
@@ -361,6 +405,8 @@ class AppArgs(BaseModel):
             ),
             adapters=tuple(sorted(self.adapters.items())),
             adapter_root=self.adapter_root,
+            hub_timeout_s=self.hub_timeout_s,
+            max_hub_adapter_bytes=self.max_hub_adapter_bytes,
             adapter_loading=self.loading_mode,
             pinned_adapters=tuple(self.pinned_adapters),
             eviction_policy=self.eviction_policy,

@@ -8,6 +8,12 @@ so an adapter of the same name loaded by someone else is never touched; the clie
 error. Unload: broadcast; a replica that answers 404 already does not serve the name. Loads and
 unloads through one ingress replica run one at a time.
 
+A `lora_path` of the form `hf://org/name[@revision]` loads from the Hugging Face Hub instead of a
+folder (`app/hub.py`): gated by `hub_adapter_repos`, pinned to a commit and checked before the
+broadcast, so every replica serves the same weights. A request naming an allowed hub adapter
+(`org/name[@revision]`) that nobody serves yet is loaded the same way under that name
+(`serve_from_hub`).
+
 Success answers are plain text, as vLLM's are (`Success: LoRA adapter 'x' added successfully.`);
 errors are OpenAI error bodies.
 """
@@ -28,6 +34,7 @@ from app.adapters import (
     validate_adapter_dir,
 )
 from app.fleet import FleetClient, ReplicaReply
+from app.hub import HUB_OFF_MESSAGE, HubAdapters
 from app.paths import LOADING_OFF_MESSAGE, PathRefused, resolve_runtime_adapter_path
 from app.protocol import (
     AdapterCard,
@@ -38,6 +45,7 @@ from app.protocol import (
     ReplicaState,
     UnloadLoraAdapterRequest,
 )
+from replicas.adapters.hub import HUB_SCHEME, HubError, HubRef, Location
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,34 +62,34 @@ class AdapterAdmin:
         *,
         report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S,
         runtime_adapter_dirs: Sequence[str] = (),
+        hub: HubAdapters | None = None,
     ) -> None:
         self.fleet = fleet
+        self.hub = hub  # None or no repos allowed: no hub adapter at run time
         self.runtime_adapter_dirs = tuple(runtime_adapter_dirs)  # empty: loading is off
         self.registry = registry
         self.report_timeout_s = report_timeout_s
         self._lock = asyncio.Lock()
-        self._ranks: dict[Path, int | None] = {}  # from adapter_config.json, by folder
+        self._ranks: dict[Location, int | None] = {}  # from adapter_config.json, by location
 
     # -- load / unload -----------------------------------------------------------------------
 
     async def load(self, body: LoadLoraAdapterRequest) -> str:
         name = body.lora_name
-        if not self.runtime_adapter_dirs:
+        from_hub = body.lora_path.startswith(HUB_SCHEME)
+        if not from_hub and not self.runtime_adapter_dirs:
             raise APIError(LOADING_OFF_MESSAGE, 403, param="lora_path")
+        if from_hub and (self.hub is None or not self.hub.enabled):
+            raise APIError(HUB_OFF_MESSAGE, 403, param="lora_path")
         try:
             check_adapter_name(name, self.registry.base_name)
         except ValueError as e:
             raise APIError(str(e), 400, param="lora_name") from e
-        try:  # absolute and resolved: replicas do not share our cwd
-            path = await asyncio.to_thread(
-                resolve_runtime_adapter_path, body.lora_path, self.runtime_adapter_dirs
-            )
-        except PathRefused as e:
-            raise APIError(str(e), 400, param="lora_path") from e
-        try:
-            info = await asyncio.to_thread(validate_adapter_dir, path, self.registry.max_lora_rank)
-        except AdapterError as e:
-            raise APIError(f"cannot load adapter {name!r}: {e}", e.status, param="lora_path") from e
+        path: Location
+        if from_hub:
+            path, rank = await self._hub_adapter(name, body.lora_path)
+        else:
+            path, rank = await self._folder_adapter(name, body.lora_path)
         async with self._lock:
             await self.registry.refresh()  # loaded through another ingress replica?
             if self.registry.is_taken(name):
@@ -97,9 +105,77 @@ class AdapterAdmin:
                 await self._undo_load(name, load_id)
                 raise _fleet_error(f"could not load adapter {name!r}", replies, failed)
             self.registry.add(name, path)
-            self._ranks[path] = info.rank
+            self._ranks[path] = rank
         logger.info("loaded adapter %s from %s on %d replica(s)", name, path, len(replies))
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def _folder_adapter(self, name: str, lora_path: str) -> tuple[Path, int]:
+        try:  # absolute and resolved: replicas do not share our cwd
+            path = await asyncio.to_thread(
+                resolve_runtime_adapter_path, lora_path, self.runtime_adapter_dirs
+            )
+        except PathRefused as e:
+            raise APIError(str(e), 400, param="lora_path") from e
+        try:
+            info = await asyncio.to_thread(validate_adapter_dir, path, self.registry.max_lora_rank)
+        except AdapterError as e:
+            raise APIError(f"cannot load adapter {name!r}: {e}", e.status, param="lora_path") from e
+        return path, info.rank
+
+    async def _hub_adapter(self, name: str, lora_path: str) -> tuple[HubRef, int]:
+        """`lora_path` (`hf://org/name[@revision]`) pinned and checked: 400 for a malformed or
+        not allowed reference (one message, as for folders), else the hub's answer."""
+        assert self.hub is not None
+        try:
+            ref = HubRef.parse(lora_path)
+        except ValueError:
+            ref = None
+        if ref is None or not self.hub.allowed(ref):
+            raise APIError(
+                "lora_path must name a hub repo this server may fetch adapters from (the app "
+                "arg hub_adapter_repos), as hf://org/name or hf://org/name@revision",
+                400,
+                param="lora_path",
+            )
+        try:
+            adapter = await self.hub.inspect(ref)
+        except HubError as e:
+            raise APIError(f"cannot load adapter {name!r}: {e}", e.status, param="lora_path") from e
+        return adapter.ref, adapter.rank
+
+    async def serve_from_hub(self, name: str) -> bool:
+        """Serve the hub adapter `name` is (`org/name[@revision]`) on every engine replica, under
+        that name, pinned to the commit its revision names now. False when `name` is no hub id
+        this app may fetch. Raises AdapterError: the hub's 404, 400 or 503, or the fleet's
+        refusal. Two ingress replicas doing this at once end with one load (the other's
+        broadcast is refused as a name in use, and undone where it landed)."""
+        ref = self.hub.requested(name) if self.hub is not None else None
+        if ref is None:
+            return False
+        adapter = await self.hub.inspect(ref)
+        async with self._lock:
+            if name in self.registry.entries:  # a request that asked at the same time
+                return True
+            await self.registry.refresh()  # or through another ingress replica
+            if name in self.registry.entries:
+                return True
+            load_id = uuid.uuid4().hex
+            location = str(adapter.ref)
+            replies = await self.fleet.broadcast_load_adapter(name, location, False, load_id)
+            failed = [r for r in replies if not r.ok]
+            if not replies:
+                raise AdapterError("no engine replica is running", 503)
+            if failed:
+                await self._undo_load(name, load_id)
+                await self.registry.refresh()
+                if name in self.registry.entries:
+                    return True
+                error = _fleet_error(f"could not load adapter {name!r}", replies, failed)
+                raise AdapterError(error.message, error.status)
+            self.registry.add(name, adapter.ref, "hub")
+            self._ranks[adapter.ref] = adapter.rank
+        logger.info("serving hub adapter %s on %d replica(s)", adapter.ref, len(replies))
+        return True
 
     async def _undo_load(self, name: str, load_id: str) -> None:
         replies = await self.fleet.broadcast_unload_adapter(name, load_id)
@@ -120,7 +196,8 @@ class AdapterAdmin:
         try:
             check_adapter_name(name, self.registry.base_name)
         except ValueError:
-            raise not_found from None
+            if not _hub_name(name):  # served from the hub on first use: `org/name[@rev]`
+                raise not_found from None
         async with self._lock:
             replies = await self.fleet.broadcast_unload_adapter(name)
             if not replies:
@@ -189,7 +266,9 @@ class AdapterAdmin:
                 tier = "disk" if source == "adapter_root" else "absent"
                 placements.append(AdapterPlacement(replica_id=replica_id, tier=tier))
         rank = next((s["rank"] for s in known if s.get("rank") is not None), None)
-        if rank is None and path is not None:
+        if rank is None and isinstance(path, HubRef):
+            rank = self._ranks.get(path)
+        elif rank is None and path is not None:
             rank = await self._config_rank(Path(path))
         return AdapterCard(
             id=name,
@@ -211,6 +290,14 @@ class AdapterAdmin:
                 return None  # not remembered: the folder may be fixed
             self._ranks[path] = info.rank
         return self._ranks[path]
+
+
+def _hub_name(name: str) -> bool:
+    try:
+        HubRef.parse(name)
+    except ValueError:
+        return False
+    return not name.startswith(HUB_SCHEME)
 
 
 def _replica_state(reply: ReplicaReply) -> ReplicaState:

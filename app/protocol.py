@@ -58,6 +58,9 @@ def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
 
 
+RETRY_AFTER_S = 1  # what a 503 tells a client to wait before trying again
+
+
 class APIError(Exception):
     """A request that fails with an HTTP status and an OpenAI error body."""
 
@@ -76,6 +79,12 @@ class APIError(Exception):
         self.type = type or error_type(status)
         self.param = param
         self.code = code
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the answer carries: `Retry-After` on a 503 (the server cannot take the
+        request now: an engine replica is down, the hub does not answer)."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(
@@ -569,17 +578,20 @@ class ReplicaState(BaseModel):
 
 class AdapterPlacement(BaseModel):
     replica_id: str | None
-    # gpu/loading/host/disk: the replica's tier; absent: the replica does not serve it;
-    # unavailable: the replica did not answer.
-    tier: Literal["gpu", "loading", "host", "disk", "absent", "unavailable"]
+    # gpu/loading/host/disk: the replica's tier; for a hub adapter not on the replica's disk
+    # yet, downloading or hub; absent: the replica does not serve it; unavailable: the replica
+    # did not answer.
+    tier: Literal[
+        "gpu", "loading", "host", "disk", "downloading", "hub", "absent", "unavailable"
+    ]
     slot: int | None = None
 
 
 class AdapterCard(BaseModel):
     id: str
     object: Literal["adapter"] = "adapter"
-    source: Literal["config", "runtime", "adapter_root"]
-    path: str | None
+    source: Literal["config", "runtime", "adapter_root", "hub"]
+    path: str | None  # a folder, or hf://org/name@<commit>
     rank: int | None  # the largest rank over its modules
     size_bytes: int | None  # its weights in a replica's memory; None until one has read them
     pinned: bool

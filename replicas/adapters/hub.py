@@ -103,8 +103,10 @@ class HubRef:
 Location = Path | HubRef  # where an adapter's files are: a folder, or a hub reference
 
 
-def location_of(text: str | Path) -> Location:
+def location_of(text: str | Location) -> Location:
     """A `hf://` string as a `HubRef` (ValueError if malformed), anything else as a folder."""
+    if isinstance(text, HubRef):
+        return text
     if isinstance(text, str) and text.startswith(HUB_SCHEME):
         return HubRef.parse(text)
     return Path(text)
