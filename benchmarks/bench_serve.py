@@ -202,7 +202,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--profile",
         default=None,
         metavar="DIR",
-        help="py-spy samples each serving process during the first stream (collapsed stacks)",
+        help="py-spy samples each serving process during one stream (collapsed stacks)",
+    )
+    ap.add_argument(
+        "--profile-stream",
+        type=int,
+        default=0,
+        metavar="K",
+        help="which stream --profile samples: 0 the first (e.g. 32 adapters), 1 the next",
     )
     ap.add_argument(
         "--http-only", action="store_true", help="skip the in-process run (profiling the path)"

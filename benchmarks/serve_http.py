@@ -99,7 +99,7 @@ class HttpPhase:
 
 async def http_phase(
     url: str, wl: Workload, work: list[Stream], warm: list[RequestSpec], timeout_s: float,
-    profile_dir: str | None = None,
+    profile_dir: str | None = None, profile_stream: int = 0,
 ) -> HttpPhase:
     from ray import serve
 
@@ -114,7 +114,7 @@ async def http_phase(
             return await sweep(client, handle, wl, work[0], timeout_s)
         measured = {}
         for k, stream in enumerate(work):
-            profile = profile_dir if k == 0 else None
+            profile = profile_dir if k == profile_stream else None
             measured[stream.label] = await http_run(client, handle, stream, profile)
             print(stream.label, json.dumps(row(stream.label, "http", measured[stream.label])),
                   flush=True)  # fmt: skip
@@ -171,7 +171,8 @@ def deploy_and_measure(
     async def measure_then_shut_down() -> HttpPhase:
         try:
             return await http_phase(url, wl, work, warm, args.run_timeout,
-                                    getattr(args, "profile", None))  # fmt: skip
+                                    getattr(args, "profile", None),
+                                    getattr(args, "profile_stream", 0))  # fmt: skip
         finally:
             # On the loop the handles ran on: with Serve's router on the caller's loop
             # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1), a shutdown after that loop closed fails.

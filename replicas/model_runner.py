@@ -74,6 +74,53 @@ def warm_up_segment_counts(num_slots: int) -> list[int]:
     return counts
 
 
+def size_key(num_tokens: int, tuning, max_rank: int) -> tuple:
+    """What a step's token count changes in its kernels' compiled variants: the SGMV tilings
+    `tuning` picks for a prefill step of that size (None: no tilings, e.g. no Triton), and
+    Triton's specialization of an integer argument (1, a multiple of 16, or neither)."""
+    tilings = () if tuning is None else (
+        tuning.shrink_tiling(num_tokens, False, max_rank),
+        tuning.expand_tiling(num_tokens, False, max_rank),
+    )
+    return (*tilings, num_tokens == 1, num_tokens % 16 == 0)
+
+
+def warm_up_steps(
+    max_tokens: int,
+    max_model_len: int,
+    num_slots: int,
+    graph_bound: int,
+    key: Callable[[int], tuple],
+) -> list[tuple[int, list[int], list[int]]]:
+    """The dummy steps that compile every kernel variant an eager step can launch: for one size
+    of each `key` class above `graph_bound` (the prefill graphs' largest bucket; 0 without) up
+    to `max_tokens`, one step of each segment count in `warm_up_segment_counts` and of
+    `num_slots`. Each is (tokens, sequence lengths, LoRA segment lengths): as few sequences as
+    `max_model_len` allows and at least one a segment, consecutive sequences sharing a segment
+    as one adapter's requests do. (A step of 1,500 tokens is two sequences at 1,024 tokens a
+    sequence, yet one segment when they share an adapter: with sequences and segments one to
+    one, that case was never warmed and compiled while serving, 42% of an H200 engine
+    replica's samples in a one-adapter burst.)"""
+    classes: dict[tuple, int] = {}
+    for n in range(graph_bound + 1, max_tokens + 1):
+        classes.setdefault(key(n), n)
+    # ...and the sizes the attention kernels have been warmed with all along.
+    listed = {min(t, max_tokens) for t in (*WARM_UP_TOKENS, max_tokens)}
+    sizes = {*classes.values(), *(n for n in listed if n > graph_bound)}
+    counts = sorted({*warm_up_segment_counts(num_slots), num_slots})
+    steps = []
+    for n in sorted(sizes):
+        fewest = -(-n // max_model_len)  # no dummy sequence longer than the model allows
+        for k in counts:
+            num_seqs = max(k, fewest)
+            if num_seqs > n:
+                continue
+            lengths = [n // num_seqs + (i < n % num_seqs) for i in range(num_seqs)]
+            segments = [*lengths[: k - 1], sum(lengths[k - 1 :])]
+            steps.append((n, lengths, segments))
+    return steps
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int) -> None:
         self.config = config
@@ -176,48 +223,39 @@ class ModelRunner:
             )
         return blocks
 
+    def _size_key(self, num_tokens: int) -> tuple:
+        """What a step's token count changes in the kernels it launches (`size_key`)."""
+        return size_key(num_tokens, getattr(self.lora_pool.sgmv, "tuning", None),
+                        self.lora_pool.max_rank)
+
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_model_len: int) -> None:
-        """Run the eager forward pass once per step size in WARM_UP_TOKENS up to `max_tokens` and
-        at `max_tokens` itself (sizes that replay prefill graphs excepted, one above them added),
-        with each count of sequences in `warm_up_segment_counts` (and as many as there are
-        adapter slots), each sequence one LoRA segment. Every key and value goes to the pad slot
-        and every block table points at the pad block, so no request's cache is touched; outputs
-        are discarded."""
+        """Run the eager forward pass over every kind of step the kernels compile for
+        (`warm_up_steps`: each size class above the prefill graphs' largest bucket, by each
+        segment-count class). Every key and value goes to the pad slot and every block table
+        points at the pad block, so no request's cache is touched; outputs are discarded."""
         bs, pad_block = self.config.block_size, self.num_kv_blocks
-        num_slots = self.lora_pool.num_slots
-        sizes = {min(t, max_tokens) for t in WARM_UP_TOKENS} | {max_tokens}
         graphs = self.prefill_graphs
-        if graphs is not None:
-            # Capturing the graphs compiled the kernels of the sizes they cover. Above them, a
-            # size that is no multiple of 16 (Triton specializes on that) beside max_tokens.
-            bound = graphs.buckets[-1]
-            sizes = {n for n in sizes if n > bound} | {min(bound + 1, max_tokens)}
-        for n in sorted(sizes):
-            if graphs is not None and graphs.bucket_for(n):
-                continue
-            fewest = -(-n // max_model_len)  # no dummy sequence longer than the model allows
-            counts = (*warm_up_segment_counts(num_slots), num_slots)
-            for num_seqs in sorted({max(k, fewest) for k in counts} - {0}):
-                if num_seqs > n:
-                    continue
-                lengths = [n // num_seqs + (i < n % num_seqs) for i in range(num_seqs)]
-                positions = [p for length in lengths for p in range(length)]
-                q_starts = [0]
-                for length in lengths:
-                    q_starts.append(q_starts[-1] + length)
-                segments = lengths[:num_slots]
-                self.staging.reset()  # no readback here: the last pass's copies are fenced
-                self._forward(self.staging, FlatStep(
-                    ids=[0] * n,
-                    positions=positions,
-                    slot_mapping=[self.pad_slot] * n,
-                    q_starts=q_starts,
-                    ctx_lens=lengths,
-                    tables=[[pad_block] * blocks_for(length, bs) for length in lengths],
-                    seg_lens=segments,
-                    seg_slots=list(range(len(segments))),
-                ))
+        # Capturing the graphs compiled the kernels of the sizes they cover.
+        bound = graphs.buckets[-1] if graphs is not None else 0
+        for n, lengths, segments in warm_up_steps(
+            max_tokens, max_model_len, self.lora_pool.num_slots, bound, self._size_key
+        ):
+            positions = [p for length in lengths for p in range(length)]
+            q_starts = [0]
+            for length in lengths:
+                q_starts.append(q_starts[-1] + length)
+            self.staging.reset()  # no readback here: the last pass's copies are fenced
+            self._forward(self.staging, FlatStep(
+                ids=[0] * n,
+                positions=positions,
+                slot_mapping=[self.pad_slot] * n,
+                q_starts=q_starts,
+                ctx_lens=lengths,
+                tables=[[pad_block] * blocks_for(length, bs) for length in lengths],
+                seg_lens=segments,
+                seg_slots=list(range(len(segments))),
+            ))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # start-up, not a step: the staging is reused
 

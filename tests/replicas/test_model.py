@@ -95,3 +95,55 @@ def test_warm_up_segment_counts_reach_every_kernel_variant_a_step_can(num_slots)
     assert counts == sorted(set(counts)) and 1 <= counts[0] and counts[-1] <= num_slots
     assert {variant(n) for n in range(1, num_slots + 1)} == {variant(c) for c in counts}
     assert len({variant(c) for c in counts}) == len(counts)  # no count run twice for nothing
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "max_model_len", "num_slots", "graph_bound"),
+    [(2048, 1024, 32, 1024), (2048, 1024, 8, 0), (4096, 2048, 16, 512), (1024, 4096, 32, 0)],
+)
+@pytest.mark.parametrize("rank", [16, 64])
+def test_warm_up_steps_reach_every_kernel_variant_an_eager_step_can(
+    max_tokens, max_model_len, num_slots, graph_bound, rank
+):
+    """Every eager step a scheduler can form (any size above the prefill graphs, any segment
+    count its tokens allow, sequences however long the model allows) launches the SGMV kernels
+    with the tilings and integer specializations of one warm-up step, by the kernels' own
+    rules: one adapter's 1,500-token prefill over two sequences is one segment, for one."""
+    import functools
+
+    from kernels.launch import _specialization_key
+    from kernels.sgmv_triton import _pow2_at_least_16
+    from kernels.sgmv_tuning import DEFAULT_TUNING
+    from replicas.model_runner import size_key, warm_up_steps
+
+    key = functools.lru_cache(maxsize=None)(lambda n: size_key(n, DEFAULT_TUNING, rank))
+
+    def variant(n: int, k: int) -> tuple:
+        return key(n), _pow2_at_least_16(k), _specialization_key(None, (k,))
+
+    steps = warm_up_steps(max_tokens, max_model_len, num_slots, graph_bound, key)
+    for n, lengths, segments in steps:
+        assert graph_bound < n <= max_tokens
+        assert sum(lengths) == sum(segments) == n and max(lengths) <= max_model_len
+        assert 1 <= len(segments) <= min(len(lengths), num_slots)
+        ends = {sum(lengths[: i + 1]) for i in range(len(lengths))}
+        assert all(sum(segments[: i + 1]) in ends for i in range(len(segments)))
+    warmed = {variant(n, len(segments)) for n, _, segments in steps}
+    for n in range(graph_bound + 1, max_tokens + 1):
+        for k in range(1, min(n, num_slots) + 1):
+            assert variant(n, k) in warmed, (n, k)
+
+
+def test_warm_up_runs_its_steps_and_leaves_every_cache_alone(models):
+    """The warm-up's dummy steps (several sequences per LoRA segment among them) run through
+    the eager forward pass, and what the engine generates afterwards is what it generated
+    before (every key and value went to the pad slot)."""
+    from replicas.request import Request
+    from tests.replicas.conftest import greedy, make_engine, run_to_completion
+
+    engine = make_engine(models["llama"], max_loras_per_batch=4)
+    prompt = Request("before", [5, 17, 200, 33], greedy(8))
+    before = run_to_completion(engine, [prompt])["before"]
+    engine.runner.warm_up(max_tokens=40, max_model_len=16)
+    after = run_to_completion(engine, [Request("after", [5, 17, 200, 33], greedy(8))])["after"]
+    assert after == before
