@@ -225,8 +225,10 @@ class AppArgs(BaseModel):
         ge=0.0,
         description=(
             "After a stream's first token (sent at once), its tokens go out at most once per "
-            "interval, as one chunk (the last at once). Each chunk costs CPU in the engine "
-            "replica, the ingress and Serve's proxy. 0: every step's tokens as they come."
+            "interval, as one chunk (the last at once); each engine replica sends an ingress "
+            "one message per interval for all of that ingress's streams. Each message costs "
+            "CPU in the engine replica, the ingress and Serve's proxy. 0: every step's tokens "
+            "as they come."
         ),
     )
     max_ongoing_requests: int = Field(
