@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from app.fleet import ServeFleetClient
@@ -81,7 +81,7 @@ class ServeEngineClient(ServeFleetClient):
         finished = False
         try:
             while not finished:
-                item = await order.next(inbox, self._replica_channel_open(rid))
+                item = await order.next(inbox, lambda: self._replica_channel_open(rid))
                 if item is None:  # the request's stream ended short of its last token
                     logger.warning("request %s: tokens lost with a failed channel", rid)
                     item = _failed(rid, ENGINE_FAILED)
@@ -188,23 +188,26 @@ class _InOrder:
         self.next_start = 0
         self._held: dict[int, GenerateChunk] = {}  # start -> chunk that came early
 
-    async def next(self, inbox: asyncio.Queue, channel_open: bool) -> GenerateChunk | None:
-        """The next chunk in order; None once the tokens before a held chunk cannot come (the
-        channel that carried them ended and `GAP_WAIT_S` passed)."""
+    async def next(
+        self, inbox: asyncio.Queue, channel_open: Callable[[], bool]
+    ) -> GenerateChunk | None:
+        """The next chunk in order; None once the tokens before a held chunk cannot come (no
+        channel to the request's replica is open, and `GAP_WAIT_S` passed)."""
         deadline = None
         while True:
             chunk = self._take()
             if chunk is not None:
                 return chunk
-            if deadline is None and self._held and not channel_open:
+            if not self._held or channel_open():
+                deadline = None
+            elif deadline is None:
                 deadline = time.monotonic() + GAP_WAIT_S
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 item = await asyncio.wait_for(inbox.get(), timeout)
             except TimeoutError:
                 return None
-            if item is _CHANNEL_LOST:
-                channel_open = False
+            if item is _CHANNEL_LOST:  # look at the channel again
                 continue
             if item.error is not None:
                 return item
