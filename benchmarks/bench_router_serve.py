@@ -3,7 +3,12 @@ replica per GPU, every router in the same run.
 
     python -m benchmarks.bench_router_serve --replicas 2 --num-adapters 64 --rank 16 --slots 8 \
         --rate 6 --num-requests 300 --popularity skewed,uniform --out benchmarks/results
+    python -m benchmarks.bench_router_serve --cell placement-2x --out benchmarks/results
     python -m benchmarks.bench_router_serve --smoke     # CPU, tiny model, under two minutes
+
+`--cell NAME` runs one of the routing cells of `sim/cells.py` (placement-, easy- and hot-, on
+2x and 4x replicas; docs/perf/routing_sim.md) and names the results after it; options given
+beside it override the cell's.
 
 For each router (affinity with the router's prefetch hints, affinity without them, Ray Serve's
 default power of two choices), the app is deployed in-process (`serve.run(build_app(args))`)
@@ -20,7 +25,9 @@ per 1k requests (the routing figure; both from every replica's engine counters),
 adapter (the engines' `lorafleet_adapter_wait_seconds` histogram on Ray's metrics export, whose
 sum Ray builds from bucket midpoints, so it is good to a bucket's width), and how many replicas
 hold each adapter in memory at the end (from GET /v1/adapters). Each row is also set against
-pow2 at the same popularity.
+pow2 at the same popularity. Beside each real figure goes the fleet simulator's prediction
+for the same requests (`sim_<figure>`, `sim/cells.py: predict`, one simulator seed, the
+recorded H200 calibration scaled to the rank), computed on the CPU before the first deploy.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ WAIT_METRIC = "ray_lorafleet_adapter_wait_seconds"  # observed once per finished
 METRICS_REPORT_INTERVAL_MS = 500  # how often replicas push metrics to the export (default 10 s)
 METRICS_SETTLE_S = 20.0  # how long to wait for the export to show every finished request
 HEALTH_TIMEOUT_S = 300.0
+HOT_ADAPTER = "lora-0"  # the most popular adapter under skewed, zipf and hot
 
 
 @dataclass(frozen=True)
@@ -214,9 +222,10 @@ async def snapshot(handle, metrics_url: str, app_name: str) -> FleetSnapshot:
 
 def placement(listing: Mapping[str, Any] | None) -> dict[str, float | None]:
     """From GET /v1/adapters: over the adapters some replica holds, how many replicas hold each
-    on GPU (or loading there) and in memory at all, on average."""
+    on GPU (or loading there) and in memory at all, on average; and how many hold the most
+    popular adapter on GPU (`hot_gpu`)."""
     if not listing:
-        return {"gpu_copies": None, "memory_copies": None}
+        return {"gpu_copies": None, "memory_copies": None, "hot_gpu": None}
     on_gpu, in_memory = [], []
     for card in listing.get("data", []):
         tiers = [p.get("tier") for p in card.get("replicas", [])]
@@ -227,7 +236,11 @@ def placement(listing: Mapping[str, Any] | None) -> dict[str, float | None]:
         if memory:
             in_memory.append(memory)
     mean = lambda xs: sum(xs) / len(xs) if xs else None
-    return {"gpu_copies": mean(on_gpu), "memory_copies": mean(in_memory)}
+    hot = next((c for c in listing.get("data", []) if c.get("id") == HOT_ADAPTER), None)
+    hot_gpu = None
+    if hot is not None:
+        hot_gpu = sum(p.get("tier") in ("gpu", "loading") for p in hot.get("replicas", []))
+    return {"gpu_copies": mean(on_gpu), "memory_copies": mean(in_memory), "hot_gpu": hot_gpu}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,11 +342,18 @@ def figures(report: RunReport, before: FleetSnapshot, after: FleetSnapshot) -> d
 # ---------------------------------------------------------------------------------------------
 # Results
 
+# Figures the simulator predicts: each row carries `sim_<figure>` beside the real one.
+PREDICTED = (
+    "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "hit_rate", "loads_per_1k",
+    "disk_reads_per_1k", "imbalance",
+)  # fmt: skip
 COLUMNS = [
-    "popularity", "router", "completed", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-    "itl_p99_ms", "e2e_p50_s", "throughput_tok_s", "adapter_wait_mean_ms", "hit_rate",
-    "loads_per_1k", "imbalance", "memory_copies", "ttft_p50_vs_pow2", "ttft_p99_vs_pow2",
-    "throughput_vs_pow2", "loads_vs_pow2",
+    "popularity", "router", "completed", "ttft_p50_ms", "sim_ttft_p50_ms", "ttft_p99_ms",
+    "sim_ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_s", "throughput_tok_s",
+    "sim_throughput_tok_s", "adapter_wait_mean_ms", "hit_rate", "loads_per_1k",
+    "sim_loads_per_1k", "disk_reads_per_1k", "sim_disk_reads_per_1k", "imbalance",
+    "sim_imbalance", "memory_copies", "hot_gpu", "sim_hot_replicas", "ttft_p50_vs_pow2",
+    "ttft_p99_vs_pow2", "throughput_vs_pow2", "loads_vs_pow2",
 ]  # fmt: skip
 RATIOS = {
     "ttft_p50_vs_pow2": "ttft_p50_ms",
@@ -361,6 +381,61 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def cell_of(args: argparse.Namespace, popularity: str):
+    """The run's shape as a `sim.cells.RouterCell`, for one popularity."""
+    from sim.cells import RouterCell
+
+    return RouterCell(
+        name=args.name,
+        replicas=args.replicas,
+        num_adapters=args.num_adapters,
+        rank=args.rank,
+        slots=args.slots,
+        host_cache=args.host_cache,
+        rate=args.rate,
+        num_requests=args.num_requests,
+        popularity=popularity,
+        input_len=(args.input_len.low, args.input_len.high),
+        output_len=(args.output_len.low, args.output_len.high),
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+def predictions(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]:
+    """(popularity, router) -> `sim_<figure>` for every run of `args`, from the fleet simulator
+    on the same requests (`sim.cells.predict`, `--sim-seeds` seeds)."""
+    from sim.cells import calibration, predict
+
+    cal = calibration()
+    routers = [setup.name for setup in args.setups]
+    out = {}
+    for popularity in args.popularity.split(","):
+        for router, figures in predict(
+            cell_of(args, popularity), cal, routers, seeds=args.sim_seeds
+        ).items():
+            out[popularity, router] = {
+                f"sim_{name}": figures[name] for name in (*PREDICTED, "hot_replicas")
+            }
+    return out
+
+
+def git_commit() -> str:
+    """$COMMIT, else the checkout's HEAD, else "unknown" (a copy of the tree without .git)."""
+    import subprocess
+
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
 def save(args: argparse.Namespace, rows: list[dict], meta: dict[str, Any]) -> Path:
     order = {kind: i for i, kind in enumerate(args.popularity.split(","))}
     routers = {setup.name: i for i, setup in enumerate(ROUTERS)}
@@ -369,7 +444,8 @@ def save(args: argparse.Namespace, rows: list[dict], meta: dict[str, Any]) -> Pa
         f"router_serve_{args.name}",
         f"Routers on a Serve deployment: {args.replicas} replicas, {args.num_adapters} "
         f"rank-{args.rank} adapters over {args.slots} slots each, Poisson {args.rate:g} req/s",
-        f"each router against {BASELINE} (Ray Serve's default) at the same popularity, same run",
+        f"each router against {BASELINE} (Ray Serve's default) at the same popularity, same run; "
+        "sim_<figure>: the fleet simulator's prediction for the same requests",
         COLUMNS,
         sorted(with_ratios(rows), key=lambda r: (order[r["popularity"]], routers[r["router"]])),
         meta,
@@ -416,6 +492,25 @@ def add_run_options(
     ap.add_argument("--smoke", action="store_true", help=f"{smoke}: checks the code")
 
 
+def _cell_names() -> list[str]:
+    from sim.cells import CELLS
+
+    return list(CELLS)
+
+
+def cell_defaults(name: str) -> dict[str, Any]:
+    """bench options from the cell `name` of sim/cells.py (KeyError when there is none)."""
+    from sim.cells import CELLS
+
+    c = CELLS[name]
+    return dict(
+        replicas=c.replicas, num_adapters=c.num_adapters, rank=c.rank, slots=c.slots,
+        host_cache=c.host_cache, rate=c.rate, num_requests=c.num_requests,
+        popularity=c.popularity, input_len=f"{c.input_len[0]}:{c.input_len[1]}",
+        output_len=f"{c.output_len[0]}:{c.output_len[1]}", max_model_len=c.max_model_len,
+    )  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -423,6 +518,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + ", ".join(f"{k}={v}" for k, v in FULL.items())
         + "; with --smoke: "
         + ", ".join(f"{k}={v}" for k, v in SMOKE.items()),
+    )
+    ap.add_argument(
+        "--cell",
+        default=None,
+        help="a routing cell of sim/cells.py (" + ", ".join(_cell_names()) + "): its shape, "
+        "rate and popularity are the defaults",
+    )
+    ap.add_argument(
+        "--sim-seeds", type=int, default=1, help="simulator seeds per prediction (0: none)"
     )
     ap.add_argument("--replicas", type=int, help="engine replicas (one GPU each on cuda)")
     ap.add_argument("--num-adapters", type=int)
@@ -452,12 +556,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the results' command line
+    if args.cell is not None:
+        if args.smoke:
+            ap.error("--cell and --smoke do not go together")
+        try:
+            defaults = cell_defaults(args.cell)
+        except KeyError:
+            ap.error(f"unknown cell {args.cell!r}; choose from {_cell_names()}")
+        for key, value in defaults.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
     for key, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.input_len = LengthRange.parse(args.input_len)
     args.output_len = LengthRange.parse(args.output_len)
     args.host_cache = args.host_cache or args.num_adapters
+    if args.name is None and args.cell is not None:
+        args.name = args.cell
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.name is None:
@@ -510,8 +626,17 @@ def run(args: argparse.Namespace, url: str, metrics_url: str) -> Path:
     its runs; the cluster and Serve are left as they were. Returns the results' markdown path."""
     started = time.monotonic()
     meta: dict[str, Any] = {
-        "command": "python -m benchmarks.bench_router_serve " + shlex.join(args.argv)
+        "command": "python -m benchmarks.bench_router_serve " + shlex.join(args.argv),
+        "commit": git_commit(),
     }
+    predicted: dict[tuple[str, str], dict[str, float]] = {}
+    if args.sim_seeds > 0 and not args.smoke:
+        t0 = time.monotonic()
+        predicted = predictions(args)
+        meta["simulator"] = (
+            f"sim.cells.predict, {args.sim_seeds} seed(s), {time.monotonic() - t0:.0f} s; "
+            "no HTTP, proxy or ingress in the model"
+        )
     model_config = TINY if args.smoke else LLAMA3_8B
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="router-serve-"))
     model_dir = write_model(root, model_config)
@@ -532,6 +657,7 @@ def run(args: argparse.Namespace, url: str, metrics_url: str) -> Path:
         for row in run_setup(
             args, setup, works, app_args(args, setup, model_dir, fleet), url, metrics_url
         ):
+            row.update(predicted.get((row["popularity"], row["router"]), {}))
             rows.append(row)
             print(json.dumps(row), flush=True)
             meta["elapsed_s"] = time.monotonic() - started

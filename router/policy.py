@@ -188,6 +188,9 @@ class AffinityPolicy:
         spread_share: float | None = 0.6,
         share_half_life: int = 1024,
         share_prior: int = 256,
+        contended_miss_share: float | None = 0.1,
+        miss_window: int = 64,
+        uncontended_spread_share: float | None = 0.4,
     ) -> None:
         """
         imbalance_bound: a replica whose load exceeds this multiple of the fleet mean (and the
@@ -215,6 +218,16 @@ class AffinityPolicy:
         share_prior: share(a) divides by at least this many requests (at most the weight of a
             whole window), so the first few requests a router sees do not make their adapters
             look hot.
+        contended_miss_share: slots count as contended while more than this share of the
+            requests routed lately went to a replica without their adapter on GPU (each such
+            request costs a load). Uncontended, every replica holding the adapter joins its
+            home tier, so Serve takes the shortest queue among them, as Ray's default router
+            does; contended, copies stay out of it so the adapter narrows back and frees their
+            slots. None: always contended.
+        miss_window: routed requests over which the miss share is averaged (exponentially).
+        uncontended_spread_share: `spread_share` while slots are not contended: a copy then
+            costs one load and stays, so an adapter is spread at a smaller share of the
+            traffic, for balance. None: `spread_share` always.
         """
         if imbalance_bound < 1.0:
             raise ValueError("imbalance_bound below 1 would demote every replica")
@@ -226,6 +239,10 @@ class AffinityPolicy:
             raise ValueError("spread_share must be positive")
         if share_half_life < 1 or share_prior < 1:
             raise ValueError("share_half_life and share_prior must be at least 1")
+        if contended_miss_share is not None and not 0 <= contended_miss_share <= 1:
+            raise ValueError("contended_miss_share is a share: between 0 and 1")
+        if miss_window < 1:
+            raise ValueError("miss_window must be at least 1")
         self.imbalance_bound = imbalance_bound
         self.spread_threshold = spread_threshold
         self.load_slack = load_slack
@@ -246,12 +263,24 @@ class AffinityPolicy:
         self._prior = min(float(share_prior), self._growth / (self._growth - 1.0))
         self._recent: dict[str, float] = defaultdict(float)
         self._recent_total = 0.0
+        self.contended_miss_share = contended_miss_share
+        self.uncontended_spread_share = uncontended_spread_share
+        self._miss_decay = 1.0 - 1.0 / miss_window
+        # Share of recent requests that found their adapter off the GPU where they were sent.
+        # It starts at 1: until requests show otherwise, slots count as contended.
+        self._miss_share = 1.0
+        self._last_tiers: tuple[str, dict[str, Tier]] | None = None  # from the latest rank()
 
     # -- own record ---------------------------------------------------------------------------
 
     def on_routed(self, adapter: str | None, replica_id: str) -> None:
         if adapter is None:
             return
+        if self._last_tiers is not None and self._last_tiers[0] == adapter:
+            tier = self._last_tiers[1].get(replica_id)
+            if tier is not None:
+                miss = 1.0 if tier >= Tier.HOST else 0.0
+                self._miss_share += (1.0 - self._miss_decay) * (miss - self._miss_share)
         self._outstanding[adapter, replica_id] += 1
         self._demand[adapter] += 1
         self._weight *= self._growth
@@ -281,6 +310,19 @@ class AffinityPolicy:
         self._demand[adapter] -= 1
         if self._demand[adapter] == 0:
             del self._demand[adapter]
+
+    @property
+    def miss_share(self) -> float:
+        """Share of the requests routed lately (over about `miss_window`) that were sent where
+        their adapter was not on GPU nor loading, as the views showed at the time."""
+        return self._miss_share
+
+    @property
+    def contended(self) -> bool:
+        """Slots are contended: enough recent requests needed a load (see __init__)."""
+        if self.contended_miss_share is None:
+            return True
+        return self._miss_share > self.contended_miss_share
 
     def demand(self, adapter: str) -> int:
         """Outstanding requests for `adapter` that this policy routed."""
@@ -317,8 +359,11 @@ class AffinityPolicy:
         if threshold is None:
             threshold = max(self.min_spread_threshold, mean_load)
         k = math.ceil((self.demand(adapter) + 1) / threshold)
-        if self.spread_share is not None:
-            k = max(k, math.ceil(n * self.share(adapter) / self.spread_share))
+        spread_share = self.spread_share
+        if self.uncontended_spread_share is not None and not self.contended:
+            spread_share = self.uncontended_spread_share
+        if spread_share is not None:
+            k = max(k, math.ceil(n * self.share(adapter) / spread_share))
         return max(1, min(n, k))
 
     def rank(self, adapter: str | None, replicas: Sequence[ReplicaView]) -> list[list[str]]:
@@ -344,6 +389,7 @@ class AffinityPolicy:
 
         # Placement order: bucket by tier, each bucket already in rendezvous order.
         tier = {rid: self.tier(adapter, by_id[rid]) for rid in hrw}
+        self._last_tiers = (adapter, tier)
         buckets: list[list[str]] = [[] for _ in Tier]
         for rid in hrw:
             buckets[tier[rid]].append(rid)
@@ -358,6 +404,9 @@ class AffinityPolicy:
             home = [self._cold_home(fit, tier, loads, mean)]
         else:
             home = fit[:k]
+        if tier[fit[0]] <= Tier.LOADING and not self.contended:
+            # Locality cannot save a load here: every holder is as good as the home.
+            home += [rid for rid in fit[k:] if tier[rid] <= Tier.LOADING]
         in_home = set(home)
         tiers = [home]
         tiers += [[rid] for rid in fit if rid not in in_home]

@@ -15,7 +15,7 @@ cost base + per_seq + per_adapter terms; a prefill chunk adds its tokens.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,28 @@ class Calibration:
 
     def step_s(self, seqs: int, adapters: int, prefill_tokens: int) -> float:
         return self.step.step_s(seqs, adapters, prefill_tokens)
+
+    @property
+    def rank(self) -> int:
+        """The adapter rank the costs were measured with (16 when the source does not say)."""
+        return int(self.source.get("rank", 16))
+
+    def for_rank(self, rank: int) -> Calibration:
+        """These costs for rank-`rank` adapters of the same projections: an adapter's bytes,
+        its copy, its read and its share of a step's SGMV time grow with the rank; the base
+        model's terms do not. An estimate until a calibration at that rank is recorded."""
+        if rank < 1:
+            raise ValueError(f"rank must be at least 1, got {rank}")
+        if rank == self.rank:
+            return self
+        f = rank / self.rank
+        return Calibration(
+            step=replace(self.step, per_adapter_s=self.step.per_adapter_s * f),
+            copy_s=self.copy_s * f,
+            read_s=self.read_s * f,
+            adapter_bytes=max(1, round(self.adapter_bytes * f)),
+            source={**self.source, "rank": rank, "scaled_from_rank": self.rank},
+        )
 
     @property
     def copy_bytes_per_s(self) -> float:

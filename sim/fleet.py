@@ -95,6 +95,12 @@ class FleetResult:
     retries: int = 0  # sends a replica turned away (max_ongoing_requests) or that failed
     starved: int = 0  # measured requests never finished
     max_wait_s: float = 0.0  # the longest TTFT, seconds
+    # Adapter requests whose adapter was in a GPU slot of their replica when they got there.
+    # The engines' hit rate counts slots the prefetcher filled from the waiting queue, so it
+    # stays near 1 however requests are placed; this one says what the placement found.
+    arrival_hit_rate: float = math.nan
+    request_throughput: float = math.nan  # completed requests / duration_s
+    throughput_tok_s: float = math.nan  # output tokens of completed requests / duration_s
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -371,6 +377,8 @@ class Fleet:
         completed = len(ok)
         per_1k = (lambda n: 1000.0 * n / completed) if completed else (lambda n: math.nan)
         gpu, memory = self._placement()
+        adapter_ok = [r for r in ok if r.adapter is not None and r.engine is not None]
+        duration = self._end_t - self._measure_t
         return FleetResult(
             router=self.config.router,
             workload=self.workload.name,
@@ -390,11 +398,20 @@ class Fleet:
             imbalance=max(per_replica) / (served / len(per_replica)) if served else math.nan,
             gpu_copies=gpu,
             memory_copies=memory,
-            duration_s=self._end_t - self._measure_t,
+            duration_s=duration,
             hints_sent=sum(h.num_sent for h in self._hints),
             retries=self.retries,
             starved=sum(1 for r in measured if math.isnan(r.finished_at)),
             max_wait_s=ttfts[-1] if ttfts else math.nan,
+            arrival_hit_rate=(
+                sum(not r.engine.cold_adapter for r in adapter_ok) / len(adapter_ok)
+                if adapter_ok
+                else math.nan
+            ),
+            request_throughput=completed / duration if duration > 0 else math.nan,
+            throughput_tok_s=(
+                sum(r.output_tokens for r in ok) / duration if duration > 0 else math.nan
+            ),
         )
 
     def _placement(self) -> tuple[float | None, float | None]:

@@ -1,7 +1,7 @@
 """Which adapter each request names: round robin, or a seeded draw from a popularity law.
 
-Adapters are ranked by their position in the list given: under `skewed` and `zipf` the first is
-the most popular.
+Adapters are ranked by their position in the list given: under `skewed`, `zipf` and `hot` the
+first is the most popular (under `hot` it takes half the requests).
 """
 
 from __future__ import annotations
@@ -24,11 +24,19 @@ def _zipf(n: int, alpha: float, zipf_s: float) -> np.ndarray:
     return 1.0 / np.arange(1, n + 1, dtype=float) ** zipf_s
 
 
+def _hot(n: int, alpha: float, zipf_s: float) -> np.ndarray:
+    # The first adapter takes half the requests, the others share the rest evenly.
+    weights = np.ones(n)
+    weights[0] = max(n - 1, 1)
+    return weights
+
+
 _WEIGHTS: dict[str, Callable[[int, float, float], np.ndarray]] = {
     "distinct": _uniform,  # round robin: every adapter equally often, in order
     "uniform": _uniform,
     "skewed": _skewed,
     "zipf": _zipf,
+    "hot": _hot,
 }
 POPULARITIES = tuple(_WEIGHTS)
 

@@ -52,8 +52,12 @@ class TestPopularity:
         counts = frequencies(build_workload(config(popularity="zipf", zipf_s=1.2)))
         assert counts[0] > counts[1] > counts[2] > counts[5]
 
+    def test_hot_gives_the_first_adapter_half_the_requests(self):
+        w = popularity_weights("hot", 8)
+        assert w[0] == pytest.approx(0.5) and np.allclose(w[1:], 0.5 / 7)
+
     def test_weights_are_probabilities(self):
-        for kind in ("distinct", "uniform", "skewed", "zipf"):
+        for kind in ("distinct", "uniform", "skewed", "zipf", "hot"):
             w = popularity_weights(kind, 10, alpha=0.6, zipf_s=1.5)
             assert w.shape == (10,) and w.sum() == pytest.approx(1.0)
         np.testing.assert_allclose(

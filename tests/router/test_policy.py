@@ -237,6 +237,79 @@ class TestCopies:
         assert flat(AffinityPolicy().rank("a", views))[:2] == [self.home, self.copy]
 
 
+class TestContention:
+    """Whether slots are contended is measured from the policy's own placements: the share of
+    recent requests sent where their adapter was not on GPU. Uncontended, locality cannot save
+    a load, so every holder shares the home tier (Ray's default: the shorter queue among the
+    replicas reporting the model) and hot adapters spread at a smaller share."""
+
+    def place(self, policy: AffinityPolicy, adapter: str, replicas: list[ReplicaView]) -> str:
+        tiers = policy.rank(adapter, replicas)
+        chosen = min(
+            tiers[0], key=lambda rid: next(v.queue_len for v in replicas if v.replica_id == rid)
+        )
+        policy.on_routed(adapter, chosen)
+        policy.on_finished(adapter, chosen)
+        return chosen
+
+    def test_contended_until_requests_show_otherwise(self):
+        assert AffinityPolicy().contended
+        assert AffinityPolicy(contended_miss_share=None).contended
+
+    def test_hits_make_it_uncontended_and_misses_bring_it_back(self):
+        policy = AffinityPolicy(miss_window=16)
+        resident = [full(rid, queue_len=1, gpu=frozenset({"a"})) for rid in ids(2)]
+        for _ in range(100):
+            self.place(policy, "a", resident)
+        assert policy.miss_share < 0.01 and not policy.contended
+        cold = [full(rid, queue_len=1) for rid in ids(2)]
+        for i in range(100):
+            self.place(policy, f"cold-{i}", cold)
+        assert policy.miss_share > 0.99 and policy.contended
+
+    def test_a_request_reported_without_a_ranking_counts_nothing(self):
+        policy = AffinityPolicy(miss_window=4)
+        for i in range(50):
+            policy.on_routed(f"a-{i}", "replica-000")
+        assert policy.miss_share == 1.0
+
+    def test_uncontended_every_holder_shares_the_home_tier(self):
+        policy = AffinityPolicy(miss_window=16)
+        others = frozenset(f"b-{i}" for i in range(9))
+        views = [
+            full(rid, queue_len=q, gpu=others | ({"a"} if q < 10 else set()))
+            for rid, q in zip(ids(4), [3, 2, 10, 10], strict=True)
+        ]
+        assert len(policy.rank("a", views)[0]) == 1  # contended at first: copies wait
+        for i in range(200):  # "a" a tenth of the traffic: one home by its share
+            self.place(policy, "a" if i % 10 == 0 else f"b-{i % 9}", views)
+        assert not policy.contended
+        assert sorted(policy.rank("a", views)[0]) == ids(2)
+        assert_each_replica_once(policy.rank("a", views), views)
+
+    def test_uncontended_a_smaller_share_spreads(self):
+        # "warm" takes 30% of the traffic over 2 replicas: within spread_share (0.6 of a
+        # replica's fair share), beyond uncontended_spread_share (0.4).
+        names = ["warm", *(f"other-{i}" for i in range(7))]
+        holding_all = [full(rid, queue_len=1, gpu=frozenset(names)) for rid in ids(2)]
+        uncontended, contended = AffinityPolicy(), AffinityPolicy()
+        for i in range(1000):
+            adapter = "warm" if i % 10 < 3 else names[1 + i % 7]
+            self.place(uncontended, adapter, holding_all)  # every request hits
+            contended.on_routed(adapter, "replica-000")  # no ranking: counts as contended
+            contended.on_finished(adapter, "replica-000")
+        assert not uncontended.contended and contended.contended
+        fresh = [full(rid, queue_len=1) for rid in ids(2)]  # neither holds it now
+        assert len(contended.rank("warm", fresh)[0]) == 1
+        assert sorted(uncontended.rank("warm", fresh)[0]) == ids(2)
+
+    def test_bad_settings_are_refused(self):
+        with pytest.raises(ValueError):
+            AffinityPolicy(contended_miss_share=1.5)
+        with pytest.raises(ValueError):
+            AffinityPolicy(miss_window=0)
+
+
 class TestSpreadByShare:
     """An adapter's recent share of the traffic sets a floor on its home's size, so the hottest
     adapters do not pile onto their hash homes at light load."""

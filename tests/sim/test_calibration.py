@@ -67,3 +67,22 @@ def test_the_command_measures_the_real_engine_on_cpu(tmp_path):
     assert sorted({s.prefill_tokens for s in cal.samples} - {0}) == [16, 32]
     assert all(s.seconds > 0 for s in cal.samples)
     assert cal.step_s(2, 1, 16) > 0
+
+
+class TestRank:
+    def test_adapter_costs_grow_with_the_rank_and_the_base_model_does_not(self):
+        r16 = Calibration.from_json({**DEFAULT.to_json(), "source": {"rank": 16}})
+        r64 = r16.for_rank(64)
+        assert r64.rank == 64 and r64.source["scaled_from_rank"] == 16
+        assert r64.copy_s == pytest.approx(4 * r16.copy_s)
+        assert r64.read_s == pytest.approx(4 * r16.read_s)
+        assert r64.adapter_bytes == 4 * r16.adapter_bytes
+        assert r64.copy_bytes_per_s == pytest.approx(r16.copy_bytes_per_s)
+        assert r64.step.per_adapter_s == pytest.approx(4 * r16.step.per_adapter_s)
+        assert (r64.step.base_s, r64.step.per_seq_s) == (r16.step.base_s, r16.step.per_seq_s)
+        assert r16.for_rank(16) is r16
+
+    def test_a_source_without_a_rank_is_rank_16(self):
+        assert DEFAULT.rank == 16
+        with pytest.raises(ValueError):
+            DEFAULT.for_rank(0)

@@ -65,34 +65,53 @@ def imbalance(counts: Counter, replicas: int) -> float:
 
 
 class TestHotAdapter:
-    """One adapter carrying 1.5x what one replica serves, then a fifth of that."""
+    """One adapter carrying 1.5x what one replica serves, then a fifth of that, beside
+    background adapters that all fit the slots (uncontended) or need twice the fleet's slots
+    once the hot adapter cools (contended)."""
 
-    @pytest.fixture(scope="class")
-    def fleet(self) -> Fleet:
+    def fleet(self, background_adapters: int) -> Fleet:
         rng = random.Random(0)
-        background = [f"bg-{i}" for i in range(3)]  # all fit: only spreading moves "hot"
+        background = [f"bg-{i}" for i in range(background_adapters)]
         w = workload(
             stream(rng, 0, 20, 1.5 * CAPACITY, ["hot"]),
             stream(rng, 20, 60, 0.15 * CAPACITY, ["hot"]),
-            stream(rng, 0, 20, 0.2 * CAPACITY, background),
+            stream(rng, 0, 20, 0.2 * CAPACITY, background[:3]),
             stream(rng, 20, 60, 0.6 * CAPACITY, background),
         )
         # A short memory of the traffic shares (default 1,024 requests) so the fall shows within
         # the run; the rule that narrows the home is the same.
         return run("affinity", w, share_half_life=64)
 
-    def test_is_served_by_both_replicas_with_bounded_imbalance(self, fleet):
-        hot = served(fleet, 5, 20, "hot")
-        assert len(hot) == 2 and min(hot.values()) > 0.3 * sum(hot.values())
-        assert imbalance(served(fleet, 5, 20), 2) <= 1.25
+    @pytest.fixture(scope="class")
+    def contended(self) -> Fleet:
+        return self.fleet(16)
 
-    def test_stops_spreading_when_its_load_falls_back(self, fleet):
-        hot = served(fleet, 45, 60, "hot")
+    @pytest.fixture(scope="class")
+    def uncontended(self) -> Fleet:
+        return self.fleet(3)
+
+    def test_is_served_by_both_replicas_with_bounded_imbalance(self, contended):
+        hot = served(contended, 5, 20, "hot")
+        assert len(hot) == 2 and min(hot.values()) > 0.3 * sum(hot.values())
+        assert imbalance(served(contended, 5, 20), 2) <= 1.25
+
+    def test_stops_spreading_when_its_load_falls_back_and_slots_are_needed(self, contended):
+        assert contended.routers[0].choice.routing.policy.contended
+        hot = served(contended, 45, 60, "hot")
         assert len(hot) == 1, hot
 
-    def test_nothing_is_lost(self, fleet):
-        assert fleet.result.completed == fleet.result.sent
-        assert fleet.result.failed == 0
+    def test_keeps_using_both_copies_while_slots_are_not_needed(self, uncontended):
+        # Every adapter fits: the copy costs nothing, and both replicas take the hot adapter's
+        # requests by queue length, as Ray's default router does with two holders.
+        assert not uncontended.routers[0].choice.routing.policy.contended
+        hot = served(uncontended, 45, 60, "hot")
+        assert len(hot) == 2, hot
+        assert imbalance(served(uncontended, 25, 60), 2) <= 1.25
+
+    def test_nothing_is_lost(self, contended, uncontended):
+        for fleet in (contended, uncontended):
+            assert fleet.result.completed == fleet.result.sent
+            assert fleet.result.failed == 0
 
 
 def test_bursts_keep_the_load_bounded():

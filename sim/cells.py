@@ -1,0 +1,194 @@
+"""The routing cells run on GPUs, and what the simulator predicts for each.
+
+    python -m sim.cells                       # every cell, every router, 3 seeds
+    python -m sim.cells --cells placement-2x,easy-2x --seeds 1
+
+A cell is one `benchmarks/bench_router_serve.py` run (`--cell NAME` runs it through HTTP):
+fleet shape, adapters, popularity and Poisson rate. Three kinds:
+- placement: many rank-64 adapters (a load costs about a decode step, a disk read fifty)
+  over few slots and a host cache a quarter of the catalogue, Zipf 1.0: where a replica finds
+  an adapter matters;
+- easy: 64 rank-16 adapters, 8 slots, all in host memory, skewed: every router finds nearly
+  every adapter resident, so routing can only cost balance;
+- hot: one adapter half the traffic: it must be served by more than one replica.
+
+The predictions use `benchmarks/results/sim_calibration.json` (H200, rank 16) scaled to the
+cell's rank (`Calibration.for_rank`), the very requests the benchmark sends
+(`sim.workload.serving_benchmark`) and no HTTP overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sim.calibration import DEFAULT, Calibration
+from sim.fleet import ROUTERS, Fleet, FleetConfig
+from sim.replica import ReplicaConfig, capacity_rps
+from sim.workload import Workload, serving_benchmark
+
+CALIBRATION = Path(__file__).parents[1] / "benchmarks/results/sim_calibration.json"
+FIGURES = (
+    "loads_per_1k", "disk_reads_per_1k", "arrival_hit_rate", "hit_rate", "ttft_p50_ms",
+    "ttft_p99_ms", "throughput_tok_s", "imbalance", "hot_replicas", "hot_spread_s",
+)  # fmt: skip
+HOT = "lora-0"  # the most popular adapter of every cell (bench_router_serve.adapter_names)
+
+
+@dataclass(frozen=True)
+class RouterCell:
+    """One bench_router_serve run; field names are its options'."""
+
+    name: str
+    replicas: int
+    num_adapters: int
+    rank: int
+    slots: int
+    host_cache: int
+    rate: float
+    num_requests: int
+    popularity: str
+    input_len: tuple[int, int] = (128, 512)
+    output_len: tuple[int, int] = (32, 96)
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    seed: int = 0
+
+    def workload(self) -> Workload:
+        return serving_benchmark(
+            num_adapters=self.num_adapters,
+            slots=self.slots,
+            replicas=self.replicas,
+            rate=self.rate,
+            num_requests=self.num_requests,
+            popularity=self.popularity,
+            input_len=self.input_len,
+            output_len=self.output_len,
+            seed=self.seed,
+        )
+
+    def replica_config(self) -> ReplicaConfig:
+        return ReplicaConfig(
+            max_loras_per_batch=self.slots,
+            max_loaded_loras=max(self.host_cache, self.slots),
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+
+    def capacity_share(self, cal: Calibration) -> float:
+        """The rate over the fleet's nominal capacity (`capacity_rps`: full batches, every
+        adapter resident)."""
+        prompt, output = sum(self.input_len) / 2, sum(self.output_len) / 2
+        per_replica = capacity_rps(cal.for_rank(self.rank), self.replica_config(), prompt, output)
+        return self.rate / (self.replicas * per_replica)
+
+
+def _cells() -> dict[str, RouterCell]:
+    out = {}
+    for n in (2, 4):
+        out[f"placement-{n}x"] = RouterCell(
+            f"placement-{n}x", replicas=n, num_adapters=256, rank=64, slots=16, host_cache=64,
+            rate=8.0 * n, num_requests=400 * n, popularity="zipf",
+        )  # fmt: skip
+        out[f"easy-{n}x"] = RouterCell(
+            f"easy-{n}x", replicas=n, num_adapters=64, rank=16, slots=8, host_cache=64,
+            rate=3.0 * n, num_requests=150 * n, popularity="skewed",
+        )  # fmt: skip
+        out[f"hot-{n}x"] = RouterCell(
+            f"hot-{n}x", replicas=n, num_adapters=64, rank=16, slots=8, host_cache=64,
+            rate=6.0 * n, num_requests=240 * n, popularity="hot",
+        )  # fmt: skip
+    return out
+
+
+CELLS = _cells()
+
+
+def calibration(path: str | Path | None = None) -> Calibration:
+    """The calibration file at `path`, else the recorded H200 one, else the built-in estimate."""
+    path = path or (CALIBRATION if CALIBRATION.exists() else None)
+    return Calibration.load(path) if path else DEFAULT
+
+
+def predict(
+    cell: RouterCell,
+    cal: Calibration,
+    routers: Sequence[str] = ROUTERS,
+    *,
+    seeds: int = 3,
+    policy_kwargs: tuple[tuple[str, Any], ...] = (),
+) -> dict[str, dict[str, float]]:
+    """Per router, each of FIGURES averaged over `seeds` simulator seeds (the workload is the
+    cell's, the same for every seed)."""
+    workload = cell.workload()
+    cost = cal.for_rank(cell.rank)
+    out: dict[str, dict[str, float]] = {}
+    for router in routers:
+        runs = []
+        for seed in range(seeds):
+            config = FleetConfig(
+                num_replicas=cell.replicas,
+                router=router,
+                replica=cell.replica_config(),
+                policy_kwargs=policy_kwargs,
+                seed=seed,
+            )
+            fleet = Fleet(config, workload, cost)
+            runs.append({**fleet.run().as_dict(), **hot_adapter(fleet)})
+        out[router] = {f: statistics.fmean(r[f] for r in runs) for f in FIGURES}
+    return out
+
+
+def hot_adapter(fleet: Fleet, adapter: str = HOT) -> dict[str, float]:
+    """How the most popular adapter was served in the measured part of a finished run:
+    `hot_replicas`, the replicas that served at least a tenth of its fair share (1/n) of its
+    requests, and `hot_spread_s`, seconds from the first measured request to the first of its
+    requests served by a replica other than the first one's (inf: never)."""
+    mine = sorted(
+        (r for r in fleet.requests if r.measured and r.adapter == adapter and not r.failed),
+        key=lambda r: r.created_at,
+    )
+    if not mine:
+        return {"hot_replicas": 0.0, "hot_spread_s": math.inf}
+    counts = Counter(r.replica_id for r in mine)
+    floor = 0.1 * len(mine) / fleet.config.num_replicas
+    start = min(r.created_at for r in fleet.requests if r.measured)
+    other = next((r for r in mine if r.replica_id != mine[0].replica_id), None)
+    return {
+        "hot_replicas": float(sum(n >= floor for n in counts.values())),
+        "hot_spread_s": math.inf if other is None else other.created_at - start,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default=",".join(CELLS), help="comma-separated cell names")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--calibration", default=None)
+    ap.add_argument("--json", default=None, help="also write the predictions here")
+    args = ap.parse_args(argv)
+    cal = calibration(args.calibration)
+    result: dict[str, Any] = {}
+    head = ["cell", "router", *FIGURES]
+    print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+    for name in args.cells.split(","):
+        cell = CELLS[name]
+        figures = predict(cell, cal, seeds=args.seeds)
+        result[name] = {"capacity_share": cell.capacity_share(cal), "routers": figures}
+        for router, values in figures.items():
+            row = [name, router, *(f"{values[f]:.3g}" for f in FIGURES)]
+            print("| " + " | ".join(row) + " |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
