@@ -251,11 +251,12 @@ class AppArgs(BaseModel):
         ),
     )
     router_prefetch_hints: bool = Field(
-        default=True,
+        default=False,
         description=(
             "With router affinity and adapter_loading prefetch: the router tells the replica it "
             "picked which adapter is coming, before the request gets there, so its prefetcher "
-            "can start loading. false: replicas prefetch from their own queues only."
+            "can start loading. false (the default: hints have not paid where measured, "
+            "docs/perf/routing_sim.md): replicas prefetch from their own queues only."
         ),
     )
     api_key: SecretStr | None = Field(

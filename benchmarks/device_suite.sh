@@ -23,6 +23,14 @@
 #   bash benchmarks/device_suite.sh serve-2x                     #   saturated on 2 GPUs
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
+#   bash benchmarks/device_suite.sh router-placement             # the routing cells of
+#   bash benchmarks/device_suite.sh router-placement-4           #   sim/cells.py, one a call:
+#   bash benchmarks/device_suite.sh router-easy                  #   2 GPUs, or 4 with -4; pow2,
+#   bash benchmarks/device_suite.sh router-easy-4                #   affinity, affinity+hints in
+#   bash benchmarks/device_suite.sh router-hot                   #   that order (ROUTERS=... to
+#   bash benchmarks/device_suite.sh router-hot-4                 #   choose), each row saved as
+#                                                                #   it ends, with the simulator's
+#                                                                #   prediction beside it
 #
 # Stage lengths seen on an H100: decode 72 s, sgmv-quick 35 s, churn16 349 s (48 requests a
 # cell), churn-large ~520 s (80 a cell; 125 s of it builds the first engine, 126 s the
@@ -131,6 +139,13 @@ for s in "$@"; do
             stage "$s" 560 python -m benchmarks.bench_router_serve --replicas 2 \
                 --num-adapters 64 --rank 16 --slots 8 --rate 6 --num-requests 300 \
                 --popularity "$pop" --name "2x_64a_r16_s8_$pop" --out "$OUT" ;;
+        router-placement | router-placement-4 | router-easy | router-easy-4 | router-hot | \
+            router-hot-4)
+            # router-placement -> cell placement-2x, router-placement-4 -> placement-4x
+            cell="${s#router-}"
+            case "$cell" in *-4) cell="${cell%-4}-4x" ;; *) cell="$cell-2x" ;; esac
+            stage "$s" 560 python -m benchmarks.bench_router_serve --cell "$cell" \
+                --routers "${ROUTERS:-pow2,affinity,affinity+hints}" --out "$OUT" ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done

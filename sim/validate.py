@@ -54,6 +54,7 @@ class RunShape:
     max_num_seqs: int
     max_model_len: int
     seed: int
+    rank: int = 16
 
 
 def _range(text: Any) -> tuple[int, int]:
@@ -83,6 +84,7 @@ def parse_measured(data: Mapping[str, Any]) -> tuple[RunShape, list[Cell]]:
             max_num_seqs=int(args.get("max_num_seqs", 64)),
             max_model_len=int(args.get("max_model_len") or 2048),
             seed=int(args.get("seed", 0)),
+            rank=int(args.get("rank", 16)),
         )
         cells = [Cell(row["popularity"], row["router"], row) for row in data["rows"]]
     except (KeyError, TypeError, ValueError) as e:
@@ -134,7 +136,7 @@ def predict(
                     seed=seed,
                 ),
                 workload,
-                cal,
+                cal.for_rank(shape.rank),
             )
             for seed in range(seeds)
         ]

@@ -82,9 +82,10 @@ class TestBuildApp:
         assert REPLICA_ENV["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
         monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")  # the user's choice stays
         ingress, *_ = bound(build_app({"model": str(model_dir)}))
-        assert "RAY_SERVE_USE_GRPC_BY_DEFAULT" not in ingress.ray_actor_options["runtime_env"][
-            "env_vars"
-        ]
+        assert (
+            "RAY_SERVE_USE_GRPC_BY_DEFAULT"
+            not in ingress.ray_actor_options["runtime_env"]["env_vars"]
+        )
 
     def test_timed_steps_run_on_cpu_from_an_absolute_path(self, model_dir, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
@@ -224,9 +225,11 @@ class TestRouterConfig:
 
     def test_affinity_hints_follow_the_arg_and_the_loading_mode(self):
         kwargs = lambda **kw: self._config(router="affinity", **kw)["request_router_kwargs"]
-        assert kwargs()["prefetch_hints"] is True
-        assert kwargs(router_prefetch_hints=False)["prefetch_hints"] is False
-        assert kwargs(adapter_loading="overlap")["prefetch_hints"] is False
+        assert kwargs()["prefetch_hints"] is False  # off unless asked for
+        assert kwargs(router_prefetch_hints=True)["prefetch_hints"] is True
+        assert (
+            kwargs(router_prefetch_hints=True, adapter_loading="overlap")["prefetch_hints"] is False
+        )
 
 
 def test_load_format_reaches_the_engine(tmp_path):

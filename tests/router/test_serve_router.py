@@ -497,7 +497,7 @@ class TestConfig:
         ("args", "cls", "kwargs"),
         [
             ({"router": "pow2"}, "Pow2Router", {}),
-            ({}, "AffinityRequestRouter", {"prefetch_hints": True, "num_slots": 8}),
+            ({}, "AffinityRequestRouter", {"prefetch_hints": False, "num_slots": 8}),
             (
                 {"router": "affinity", "enable_prefetch": False, "max_loras_per_batch": 4},
                 "AffinityRequestRouter",
