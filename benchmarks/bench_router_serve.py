@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -385,22 +385,13 @@ def cell_of(args: argparse.Namespace, popularity: str):
     """The run's shape as a `sim.cells.RouterCell`, for one popularity."""
     from sim.cells import RouterCell
 
-    return RouterCell(
-        name=args.name,
-        replicas=args.replicas,
-        num_adapters=args.num_adapters,
-        rank=args.rank,
-        slots=args.slots,
-        host_cache=args.host_cache,
-        rate=args.rate,
-        num_requests=args.num_requests,
+    values = {f.name: getattr(args, f.name) for f in fields(RouterCell)}
+    values.update(
         popularity=popularity,
         input_len=(args.input_len.low, args.input_len.high),
         output_len=(args.output_len.low, args.output_len.high),
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
     )
+    return RouterCell(**values)
 
 
 def predictions(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]:

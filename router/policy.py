@@ -14,7 +14,9 @@ narrows it back as the demand falls), overflows an overloaded home onto replicas
 hold the adapter, sends a cold adapter to the less loaded of its two hash choices when its
 first is clearly busier, and never ranks a replica loaded beyond `imbalance_bound` × the fleet
 mean (or `load_slack` above it) ahead of one that is not (consistent hashing with bounded loads,
-applied to the adapter's placement order).
+applied to the adapter's placement order). Where locality cannot save a load, because few
+recent requests needed one (slots not contended), every replica holding the adapter shares its
+home tier, so the choice among them is the shortest queue, as in Ray's default router.
 """
 
 from __future__ import annotations
@@ -160,7 +162,10 @@ class AffinityPolicy:
        load. They do not share the home's tier: a copy taking every request the home's queue
        length lost would stay resident for good, and `a` would hold a slot on every replica it
        ever spread to after its demand fell back (seen in the fleet simulator: an adapter that
-       had needed two replicas went on using both at a fifth of that demand).
+       had needed two replicas went on using both at a fifth of that demand). That matters
+       only while slots are contended (`contended`): otherwise a copy costs no other adapter
+       its slot, so every non-overloaded holder joins the home tier (Serve then takes the
+       shortest queue among them, Ray's default rule) and k uses `uncontended_spread_share`.
     6. Cold: when no non-overloaded replica holds `a` (the best tier is HOST or worse) and
        k = 1, the home is the better of two hash choices, the first two non-overloaded replicas
        of that best tier: the first, unless its load exceeds the second's by more than

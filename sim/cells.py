@@ -42,6 +42,12 @@ FIGURES = (
 HOT = "lora-0"  # the most popular adapter of every cell (bench_router_serve.adapter_names)
 
 
+_WORKLOAD_OPTIONS = (
+    "num_adapters", "slots", "replicas", "rate", "num_requests", "popularity", "input_len",
+    "output_len", "seed",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RouterCell:
     """One bench_router_serve run; field names are its options'."""
@@ -62,17 +68,8 @@ class RouterCell:
     seed: int = 0
 
     def workload(self) -> Workload:
-        return serving_benchmark(
-            num_adapters=self.num_adapters,
-            slots=self.slots,
-            replicas=self.replicas,
-            rate=self.rate,
-            num_requests=self.num_requests,
-            popularity=self.popularity,
-            input_len=self.input_len,
-            output_len=self.output_len,
-            seed=self.seed,
-        )
+        """The requests bench_router_serve sends for this cell (its options of those names)."""
+        return serving_benchmark(**{name: getattr(self, name) for name in _WORKLOAD_OPTIONS})
 
     def replica_config(self) -> ReplicaConfig:
         return ReplicaConfig(
@@ -124,9 +121,10 @@ def predict(
     *,
     seeds: int = 3,
     policy_kwargs: tuple[tuple[str, Any], ...] = (),
+    overhead_s: float = 0.0,
 ) -> dict[str, dict[str, float]]:
     """Per router, each of FIGURES averaged over `seeds` simulator seeds (the workload is the
-    cell's, the same for every seed)."""
+    cell's, the same for every seed). `overhead_s`: client <-> router time, both ways."""
     workload = cell.workload()
     cost = cal.for_rank(cell.rank)
     out: dict[str, dict[str, float]] = {}
@@ -138,6 +136,7 @@ def predict(
                 router=router,
                 replica=cell.replica_config(),
                 policy_kwargs=policy_kwargs,
+                overhead_s=overhead_s,
                 seed=seed,
             )
             fleet = Fleet(config, workload, cost)

@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from sim.calibration import DEFAULT, Calibration
-from sim.fleet import ROUTERS, FleetConfig, simulate
-from sim.replica import ReplicaConfig
-from sim.serve import ServeConfig
-from sim.workload import serving_benchmark
+from sim.cells import RouterCell
+from sim.cells import predict as predict_cell
+from sim.fleet import ROUTERS
 
 DEFAULT_CALIBRATION = Path("benchmarks/results/sim_calibration.json")
 FIGURES = ("loads_per_1k", "imbalance", "ttft_p99_ms", "loads_vs_pow2")
@@ -55,6 +53,9 @@ class RunShape:
     max_model_len: int
     seed: int
     rank: int = 16
+
+    def cell(self, popularity: str) -> RouterCell:
+        return RouterCell(name="measured", popularity=popularity, **asdict(self))
 
 
 def _range(text: Any) -> tuple[int, int]:
@@ -106,47 +107,7 @@ def predict(
 ) -> dict[str, dict[str, float]]:
     """Per router, the simulated figures, each the mean over `seeds` simulator seeds (the
     workload stays the measured run's)."""
-    workload = serving_benchmark(
-        num_adapters=shape.num_adapters,
-        slots=shape.slots,
-        replicas=shape.replicas,
-        rate=shape.rate,
-        num_requests=shape.num_requests,
-        popularity=popularity,
-        input_len=shape.input_len,
-        output_len=shape.output_len,
-        seed=shape.seed,
-    )
-    replica = ReplicaConfig(
-        max_loras_per_batch=shape.slots,
-        max_loaded_loras=shape.host_cache,
-        max_num_seqs=shape.max_num_seqs,
-        max_model_len=shape.max_model_len,
-    )
-    out: dict[str, dict[str, float]] = {}
-    for router in routers:
-        runs = [
-            simulate(
-                FleetConfig(
-                    num_replicas=shape.replicas,
-                    router=router,
-                    replica=replica,
-                    serve=ServeConfig(),
-                    overhead_s=overhead_s,
-                    seed=seed,
-                ),
-                workload,
-                cal.for_rank(shape.rank),
-            )
-            for seed in range(seeds)
-        ]
-        out[router] = {
-            "loads_per_1k": statistics.fmean(r.loads_per_1k for r in runs),
-            "imbalance": statistics.fmean(r.imbalance for r in runs),
-            "ttft_p99_ms": statistics.fmean(r.ttft_p99_ms for r in runs),
-            "ttft_p50_ms": statistics.fmean(r.ttft_p50_ms for r in runs),
-            "hit_rate": statistics.fmean(r.hit_rate for r in runs),
-        }
+    out = predict_cell(shape.cell(popularity), cal, routers, seeds=seeds, overhead_s=overhead_s)
     if "pow2" in out:
         for figures in out.values():
             base = out["pow2"]["loads_per_1k"]
