@@ -621,7 +621,7 @@ def run(args: argparse.Namespace, url: str, metrics_url: str) -> Path:
         "commit": git_commit(),
     }
     predicted: dict[tuple[str, str], dict[str, float]] = {}
-    if args.sim_seeds > 0 and not args.smoke:
+    if args.sim_seeds > 0:
         t0 = time.monotonic()
         predicted = predictions(args)
         meta["simulator"] = (

@@ -58,6 +58,12 @@ class TestSmokeRun:
             assert row["e2e_p50_s"] > 0 and row["throughput_tok_s"] > 0, row
             assert 1.0 <= row["memory_copies"] <= SMOKE["replicas"], row
 
+    def test_each_row_carries_the_simulators_prediction_and_the_run_its_commit(self, results):
+        assert results["commit"]
+        for row in results["rows"]:
+            assert row["sim_loads_per_1k"] >= 0.0 and row["sim_imbalance"] >= 1.0, row
+            assert 0 < row["sim_ttft_p50_ms"] <= row["sim_ttft_p99_ms"], row
+
     def test_ratios_are_against_pow2_in_the_same_run(self, results):
         rows = {row["router"]: row for row in results["rows"]}
         pow2 = rows["pow2"]
