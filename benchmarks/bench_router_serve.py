@@ -385,8 +385,10 @@ def cell_of(args: argparse.Namespace, popularity: str):
     """The run's shape as a `sim.cells.RouterCell`, for one popularity."""
     from sim.cells import RouterCell
 
-    values = {f.name: getattr(args, f.name) for f in fields(RouterCell)}
+    values = {f.name: getattr(args, f.name) for f in fields(RouterCell) if hasattr(args, f.name)}
     values.update(
+        # One router per ingress replica: AppArgs.ingress_replicas' default on the device.
+        num_routers=2 * args.replicas if args.device == "cuda" else 1,
         popularity=popularity,
         input_len=(args.input_len.low, args.input_len.high),
         output_len=(args.output_len.low, args.output_len.high),

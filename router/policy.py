@@ -192,7 +192,7 @@ class AffinityPolicy:
         min_spread_threshold: float = 6.0,
         spread_share: float | None = 0.6,
         share_half_life: int = 1024,
-        share_prior: int = 256,
+        share_prior: int = 32,
         contended_miss_share: float | None = 0.1,
         miss_window: int = 64,
         uncontended_spread_share: float | None = 0.4,
@@ -222,7 +222,10 @@ class AffinityPolicy:
         share_half_life: routed requests after which a past request counts half in share(a).
         share_prior: share(a) divides by at least this many requests (at most the weight of a
             whole window), so the first few requests a router sees do not make their adapters
-            look hot.
+            look hot. Small, because each ingress replica routes with its own policy and sees
+            only its part of the traffic (2 ingresses per engine replica on GPUs): with 256,
+            routers that had seen 120 requests each never spread an adapter taking half of
+            them (simulated, hot-2x of docs/perf/routing_sim.md; 32 spreads it in 3 s).
         contended_miss_share: slots count as contended while more than this share of the
             requests routed lately went to a replica without their adapter on GPU (each such
             request costs a load). Uncontended, every replica holding the adapter joins its
@@ -272,8 +275,11 @@ class AffinityPolicy:
         self.uncontended_spread_share = uncontended_spread_share
         self._miss_decay = 1.0 - 1.0 / miss_window
         # Share of recent requests that found their adapter off the GPU where they were sent.
-        # It starts at 1: until requests show otherwise, slots count as contended.
-        self._miss_share = 1.0
+        # It starts at 0, as a fresh fleet's slots are free; the first misses raise it within
+        # a few requests. (Starting at 1, routers that each see a part of the traffic stayed
+        # contended through a whole 300-request run of the easy cell: imbalance 1.54 against
+        # 1.28, docs/perf/routing_sim.md.)
+        self._miss_share = 0.0
         self._last_tiers: tuple[str, dict[str, Tier]] | None = None  # from the latest rank()
 
     # -- own record ---------------------------------------------------------------------------

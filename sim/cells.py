@@ -66,6 +66,13 @@ class RouterCell:
     max_num_seqs: int = 64
     max_model_len: int = 2048
     seed: int = 0
+    # Caller handles, each with its own router: the app's ingress replicas (2 per engine
+    # replica on GPUs, AppArgs.ingress_replicas). None: that default.
+    num_routers: int | None = None
+
+    @property
+    def routers(self) -> int:
+        return self.num_routers or 2 * self.replicas
 
     def workload(self) -> Workload:
         """The requests bench_router_serve sends for this cell (its options of those names)."""
@@ -134,6 +141,7 @@ def predict(
             config = FleetConfig(
                 num_replicas=cell.replicas,
                 router=router,
+                num_routers=cell.routers,
                 replica=cell.replica_config(),
                 policy_kwargs=policy_kwargs,
                 overhead_s=overhead_s,

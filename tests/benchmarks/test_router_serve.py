@@ -46,13 +46,17 @@ class TestDeployment:
 
 class TestCells:
     def test_a_cell_sets_the_run_and_names_the_results(self):
+        from dataclasses import replace
+
         from benchmarks.bench_router_serve import cell_of
         from sim.cells import CELLS
 
         for name, cell in CELLS.items():
             args = parse_args(["--cell", name, "--device", "cpu"])
             assert args.name == name
-            assert cell_of(args, cell.popularity) == cell
+            run = cell_of(args, cell.popularity)
+            assert replace(run, num_routers=None) == cell
+            assert run.routers == 1  # one ingress on CPU; 2 per engine replica on GPUs
 
     def test_options_beside_a_cell_override_it(self):
         args = parse_args(["--cell", "placement-2x", "--rate", "3", "--device", "cpu"])

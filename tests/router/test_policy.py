@@ -173,8 +173,10 @@ class TestColdPlacement:
 
 
 class TestSpreading:
+    # By outstanding requests alone (spread_share=None): TestSpreadByShare covers the share.
+
     def test_home_grows_with_demand_and_shrinks_back(self):
-        policy = AffinityPolicy(spread_threshold=4)
+        policy = AffinityPolicy(spread_threshold=4, spread_share=None)
         replicas = [full(rid) for rid in ids(8)]
         assert len(policy.rank("hot", replicas)[0]) == 1
         home = policy.rank("hot", replicas)[0][0]
@@ -194,7 +196,7 @@ class TestSpreading:
         assert policy.rank("hot", replicas)[0] == order[:3]
 
     def test_adaptive_threshold_is_the_mean_load(self):
-        policy = AffinityPolicy()
+        policy = AffinityPolicy(spread_share=None)
         replicas = [full(rid, queue_len=20) for rid in ids(8)]
         home = flat(policy.rank("hot", replicas))[0]
         for _ in range(50):
@@ -203,7 +205,8 @@ class TestSpreading:
 
 
 class TestCopies:
-    """Replicas that already hold the adapter take its overflow, never its steady traffic."""
+    """While slots are contended, replicas that already hold the adapter take its overflow,
+    never its steady traffic."""
 
     def setup_method(self):
         self.home, self.copy = Rendezvous().order("a", frozenset(ids(4)))[:2]
@@ -219,14 +222,18 @@ class TestCopies:
     def test_a_less_loaded_copy_stays_out_of_the_home_tier(self):
         # Were it in, it would take every request the home's queue is longer for, stay resident
         # and keep the adapter on two replicas after its demand fell back.
-        tiers = AffinityPolicy().rank("a", self.views(home_load=12, copy_load=9))
+        tiers = AffinityPolicy(contended_miss_share=None).rank(
+            "a", self.views(home_load=12, copy_load=9)
+        )
         assert tiers[0] == [self.home]
         assert tiers[1] == [self.copy]  # the first place overflow goes
         assert_each_replica_once(tiers, self.views(12, 9))
 
     def test_an_overloaded_home_overflows_onto_the_copy(self):
         # bound = max(1.25 x mean, mean + 8) with the request counted: a home at 40 is over it.
-        tiers = AffinityPolicy().rank("a", self.views(home_load=40, copy_load=12))
+        tiers = AffinityPolicy(contended_miss_share=None).rank(
+            "a", self.views(home_load=40, copy_load=12)
+        )
         assert tiers[0] == [self.copy]
         assert tiers[-1] == [self.home]
 
@@ -234,7 +241,10 @@ class TestCopies:
         # Replicas without "a" never come before the holders, however idle.
         views = self.views(home_load=12, copy_load=11)
         views = [v if v.gpu else full(v.replica_id, queue_len=0) for v in views]
-        assert flat(AffinityPolicy().rank("a", views))[:2] == [self.home, self.copy]
+        assert flat(AffinityPolicy(contended_miss_share=None).rank("a", views))[:2] == [
+            self.home,
+            self.copy,
+        ]
 
 
 class TestContention:
@@ -252,8 +262,14 @@ class TestContention:
         policy.on_finished(adapter, chosen)
         return chosen
 
-    def test_contended_until_requests_show_otherwise(self):
-        assert AffinityPolicy().contended
+    def test_uncontended_until_misses_show_otherwise(self):
+        # A fresh fleet's slots are free; a few requests that must load make it contended.
+        policy = AffinityPolicy()
+        assert not policy.contended
+        cold = [full(rid, queue_len=1) for rid in ids(2)]
+        for i in range(8):
+            self.place(policy, f"cold-{i}", cold)
+        assert policy.contended
         assert AffinityPolicy(contended_miss_share=None).contended
 
     def test_hits_make_it_uncontended_and_misses_bring_it_back(self):
@@ -271,7 +287,7 @@ class TestContention:
         policy = AffinityPolicy(miss_window=4)
         for i in range(50):
             policy.on_routed(f"a-{i}", "replica-000")
-        assert policy.miss_share == 1.0
+        assert policy.miss_share == 0.0
 
     def test_uncontended_every_holder_shares_the_home_tier(self):
         policy = AffinityPolicy(miss_window=16)
@@ -280,7 +296,8 @@ class TestContention:
             full(rid, queue_len=q, gpu=others | ({"a"} if q < 10 else set()))
             for rid, q in zip(ids(4), [3, 2, 10, 10], strict=True)
         ]
-        assert len(policy.rank("a", views)[0]) == 1  # contended at first: copies wait
+        contended = AffinityPolicy(contended_miss_share=None)
+        assert len(contended.rank("a", views)[0]) == 1  # contended: the copy waits
         for i in range(200):  # "a" a tenth of the traffic: one home by its share
             self.place(policy, "a" if i % 10 == 0 else f"b-{i % 9}", views)
         assert not policy.contended
@@ -292,11 +309,11 @@ class TestContention:
         # replica's fair share), beyond uncontended_spread_share (0.4).
         names = ["warm", *(f"other-{i}" for i in range(7))]
         holding_all = [full(rid, queue_len=1, gpu=frozenset(names)) for rid in ids(2)]
-        uncontended, contended = AffinityPolicy(), AffinityPolicy()
+        uncontended, contended = AffinityPolicy(), AffinityPolicy(contended_miss_share=None)
         for i in range(1000):
             adapter = "warm" if i % 10 < 3 else names[1 + i % 7]
             self.place(uncontended, adapter, holding_all)  # every request hits
-            contended.on_routed(adapter, "replica-000")  # no ranking: counts as contended
+            contended.on_routed(adapter, "replica-000")
             contended.on_finished(adapter, "replica-000")
         assert not uncontended.contended and contended.contended
         fresh = [full(rid, queue_len=1) for rid in ids(2)]  # neither holds it now
@@ -312,7 +329,8 @@ class TestContention:
 
 class TestSpreadByShare:
     """An adapter's recent share of the traffic sets a floor on its home's size, so the hottest
-    adapters do not pile onto their hash homes at light load."""
+    adapters do not pile onto their hash homes at light load. Slots held contended here
+    (TestContention covers the smaller share used otherwise)."""
 
     def route(self, policy: AffinityPolicy, adapter: str) -> None:
         # Light load: each request finishes before the next, so outstanding stays at zero.
@@ -320,7 +338,7 @@ class TestSpreadByShare:
         policy.on_finished(adapter, "replica-000")
 
     def test_a_hot_adapter_gets_every_replica_of_a_small_fleet(self):
-        policy = AffinityPolicy()
+        policy = AffinityPolicy(contended_miss_share=None)
         replicas = [full(rid, queue_len=1) for rid in ids(2)]
         for i in range(1000):
             self.route(policy, "hot" if i % 5 < 2 else f"cold-{i}")  # "hot": 40%
@@ -330,14 +348,14 @@ class TestSpreadByShare:
         assert len(policy.rank("cold-3", replicas)[0]) == 1
 
     def test_an_adapter_within_its_share_keeps_one_home(self):
-        policy = AffinityPolicy()
+        policy = AffinityPolicy(contended_miss_share=None)
         replicas = [full(rid, queue_len=1) for rid in ids(2)]
         for i in range(1000):
             self.route(policy, "warm" if i % 4 == 0 else f"cold-{i}")  # 25% of 2 replicas
         assert len(policy.rank("warm", replicas)[0]) == 1
 
     def test_the_share_fades_once_the_adapter_cools(self):
-        policy = AffinityPolicy(share_half_life=100)
+        policy = AffinityPolicy(contended_miss_share=None, share_half_life=100)
         for i in range(500):
             self.route(policy, "hot" if i % 2 else f"cold-{i}")
         hot = policy.share("hot")
@@ -346,21 +364,23 @@ class TestSpreadByShare:
         assert policy.share("hot") == pytest.approx(hot / 4, rel=0.05)  # two half-lives
 
     def test_a_few_first_requests_do_not_look_hot(self):
-        policy = AffinityPolicy()
-        for _ in range(10):
+        policy = AffinityPolicy(contended_miss_share=None)
+        for _ in range(3):
             self.route(policy, "a")
-        assert policy.share("a") == pytest.approx(10 / 256, rel=0.01)
+        assert policy.share("a") == pytest.approx(3 / 32, rel=0.01)  # the prior, not 100%
+        replicas = [full(rid, queue_len=1) for rid in ids(2)]
+        assert len(policy.rank("a", replicas)[0]) == 1
 
     def test_shares_survive_rescaling(self):
         # Long enough for the weights to be rescaled several times (every 40 half-lives).
-        policy = AffinityPolicy(share_half_life=8)
+        policy = AffinityPolicy(contended_miss_share=None, share_half_life=8)
         for i in range(3000):
             self.route(policy, "hot" if i % 2 else f"cold-{i % 7}")
         assert 0 < sum(policy.share(f"cold-{k}") for k in range(7)) <= 1
         assert policy.share("hot") == pytest.approx(0.5, abs=0.05)
 
     def test_none_spreads_by_outstanding_requests_alone(self):
-        policy = AffinityPolicy(spread_share=None)
+        policy = AffinityPolicy(contended_miss_share=None, spread_share=None)
         replicas = [full(rid, queue_len=1) for rid in ids(2)]
         for _ in range(1000):
             self.route(policy, "hot")
