@@ -535,7 +535,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int)
     ap.add_argument("--input-len", help="prompt tokens, N or LOW:HIGH")
     ap.add_argument("--output-len", help="output tokens, N or LOW:HIGH")
-    ap.add_argument("--popularity", help="comma-separated: distinct, uniform, skewed, zipf")
+    ap.add_argument("--popularity", help="comma-separated: distinct, uniform, skewed, zipf, hot")
     ap.add_argument(
         "--routers",
         default=",".join(r.name for r in ROUTERS),

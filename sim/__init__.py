@@ -8,5 +8,6 @@ modelled rule by rule. Plain Python: no torch, no Ray at run time.
     sim/serve.py        Ray Serve's RequestRouter, its pow2 router and ours, the controller
     sim/fleet.py        replicas + routers + workload -> `FleetResult`
     sim/workload.py     request streams (the serving benchmark's, or generated)
+    sim/cells.py        the routing cells run on GPUs and their predictions (`python -m sim.cells`)
     sim/validate.py     predicted against measured (`python -m sim.validate`)
 """
