@@ -5,8 +5,9 @@ is injected (`LedgerStore`: Ray's GCS key-value store under Serve, `MemoryLedger
 Why a store outside the replicas: a runtime load reaches the replicas running at that moment
 (a broadcast), and lives in their memory. A replica that starts later, or a fleet that loses
 every replica at once, would fall back to the app config. The ingress writes each change to a
-store that outlives every replica (one entry per name, the last word on it), and each engine
-replica reads it at start-up and again every few seconds (`reconcile`).
+store that outlives every replica (the newest `ENTRIES_KEPT` versions per name, the newest the
+last word on it), and each engine replica reads it at start-up and again every few seconds
+(`reconcile`).
 
 Ordering: each change carries a `version` (the writer's wall clock, in ns) that the broadcast
 carries too, and a replica remembers the version it last applied per name, so an older entry
