@@ -213,30 +213,14 @@ class _InOrder:
                 return item
             if item.start < self.next_start:
                 continue  # nothing new (a chunk sent twice would be a bug upstream)
-            held = self._held.get(item.start)
-            self._held[item.start] = item if held is None else _join(held, item)
+            # Starts are distinct: every chunk but a last or failed one carries tokens.
+            self._held[item.start] = item
 
     def _take(self) -> GenerateChunk | None:
         chunk = self._held.pop(self.next_start, None)
         if chunk is not None:
             self.next_start += len(chunk.token_ids)
         return chunk
-
-
-def _join(a: GenerateChunk, b: GenerateChunk) -> GenerateChunk:
-    """Two chunks at the same start: one of them has no tokens (a first chunk that carried
-    only the prompt's length, say); keep the tokens and the later one's end."""
-    first, second = (a, b) if not a.token_ids else (b, a)
-    return GenerateChunk(
-        b.request_id,
-        second.token_ids or first.token_ids,
-        b.finish_reason or a.finish_reason,
-        b.num_prompt_tokens or a.num_prompt_tokens,
-        None,
-        b.metrics or a.metrics,
-        a.start,
-        a.replica_id or b.replica_id,
-    )
 
 
 def _failed(rid: str, message: str) -> GenerateChunk:
