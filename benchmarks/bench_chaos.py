@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> Path:
     import ray
     from ray import serve
 
-    from app.main import build_app
+    from app.main import CONTROLLER_OPTIONS, build_app
     from benchmarks.bench_churn import TINY, write_fleet
     from benchmarks.bench_router_serve import free_port, wait_healthy, write_model
     from benchmarks.common import append_table, write_results
@@ -535,7 +535,9 @@ def main(argv: list[str] | None = None) -> Path:
     port = free_port()
     app = "chaos"
     ray.init(num_cpus=args.replicas + ingress + 1, include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         serve.run(

@@ -57,7 +57,7 @@ def run(num_adapters: int, rank: int, scratch: Path) -> tuple[list[dict], dict]:
     import ray
     from ray import serve
 
-    from app.main import build_app
+    from app.main import CONTROLLER_OPTIONS, build_app
 
     demo = ensure_demo(scratch / "demo")
     disk, hub = scratch / "adapter_root", FakeHub().start()
@@ -74,7 +74,9 @@ def run(num_adapters: int, rank: int, scratch: Path) -> tuple[list[dict], dict]:
     port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS
+        )
         app = build_app(
             {
                 "model": str(demo.model_dir),
@@ -143,8 +145,15 @@ def main() -> None:
             "hub_adapter_ttft",
             "First request to first token: a hub adapter from a local hub vs. the same from disk",
             "cold hub TTFT P50 over cold disk TTFT P50 (same adapters, same run)",
-            ["source", "adapters", "cold_ttft_p50_ms", "cold_ttft_max_ms", "warm_ttft_p50_ms",
-             "hub_over_disk", "hub_adds_ms"],  # fmt: skip
+            [
+                "source",
+                "adapters",
+                "cold_ttft_p50_ms",
+                "cold_ttft_max_ms",
+                "warm_ttft_p50_ms",
+                "hub_over_disk",
+                "hub_adds_ms",
+            ],  # fmt: skip
             summary,
             extra={**extra, "rank": args.rank, "model": "embedded demo (CPU)"},
         )

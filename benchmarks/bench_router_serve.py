@@ -399,14 +399,18 @@ def cell_of(args: argparse.Namespace, popularity: str):
 def predictions(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]:
     """(popularity, router) -> `sim_<figure>` for every run of `args`, from the fleet simulator
     on the same requests (`sim.cells.predict`, `--sim-seeds` seeds)."""
-    from sim.cells import calibration, predict
+    from sim.cells import calibration, http_overhead_s, predict
 
     cal = calibration()
     routers = [setup.name for setup in args.setups]
     out = {}
     for popularity in args.popularity.split(","):
         for router, figures in predict(
-            cell_of(args, popularity), cal, routers, seeds=args.sim_seeds
+            cell_of(args, popularity),
+            cal,
+            routers,
+            seeds=args.sim_seeds,
+            overhead_s=http_overhead_s(),
         ).items():
             out[popularity, router] = {
                 f"sim_{name}": figures[name] for name in (*PREDICTED, "hot_replicas")
@@ -590,6 +594,8 @@ def main(argv: list[str] | None = None) -> Path:
     import ray
     from ray import serve
 
+    from app.main import CONTROLLER_OPTIONS
+
     args = parse_args(argv)
     # The results name the device through torch, which opens a CUDA context in this process:
     # open it before any replica sizes its KV cache, so that every deployment sees the same.
@@ -603,7 +609,9 @@ def main(argv: list[str] | None = None) -> Path:
         _metrics_export_port=metrics_port,
         _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": args.port}, controller_options=CONTROLLER_OPTIONS
+    )
     try:
         url = f"http://127.0.0.1:{args.port}"
         return run(args, url, f"http://127.0.0.1:{metrics_port}/metrics")
@@ -628,7 +636,7 @@ def run(args: argparse.Namespace, url: str, metrics_url: str) -> Path:
         predicted = predictions(args)
         meta["simulator"] = (
             f"sim.cells.predict, {args.sim_seeds} seed(s), {time.monotonic() - t0:.0f} s; "
-            "no HTTP, proxy or ingress in the model"
+            "HTTP, proxy and ingress: sim.cells.http_overhead_s, measured"
         )
     model_config = TINY if args.smoke else LLAMA3_8B
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="router-serve-"))

@@ -98,8 +98,13 @@ class HttpPhase:
 
 
 async def http_phase(
-    url: str, wl: Workload, work: list[Stream], warm: list[RequestSpec], timeout_s: float,
-    profile_dir: str | None = None, profile_stream: int = 0,
+    url: str,
+    wl: Workload,
+    work: list[Stream],
+    warm: list[RequestSpec],
+    timeout_s: float,
+    profile_dir: str | None = None,
+    profile_stream: int = 0,
 ) -> HttpPhase:
     from ray import serve
 
@@ -158,7 +163,7 @@ def deploy_and_measure(
     import ray
     from ray import serve
 
-    from app.main import build_app
+    from app.main import CONTROLLER_OPTIONS, build_app
 
     owned = not ray.is_initialized()
     if owned:
@@ -183,7 +188,10 @@ def deploy_and_measure(
 
     try:
         if owned:
-            serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+            serve.start(
+                http_options={"host": "127.0.0.1", "port": args.port},
+                controller_options=CONTROLLER_OPTIONS,
+            )
         serve.run(build_app(app), name=APP_NAME, route_prefix="/")
         wait_healthy(url)
         return asyncio.run(measure_then_shut_down())

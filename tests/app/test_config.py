@@ -202,9 +202,13 @@ def test_shipped_serve_configs_parse(name):
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
+    from app.main import CONTROLLER_OPTIONS
+
     path = Path(__file__).parents[2] / "configs" / name
     config = yaml.safe_load(path.read_text())
     ServeDeploySchema.model_validate(config)
+    # What `serve run` gives the controller and proxy is what the benchmarks and tests start.
+    assert config["controller_options"] == CONTROLLER_OPTIONS
     (application,) = config["applications"]
     assert application["import_path"] == "app.main:build_app"
     AppArgs.model_validate(application["args"])

@@ -34,7 +34,8 @@ class TestIngressMetrics:
         adapter = {"model_kind": "adapter"}
         # Clock reads: arrival 0, first chunk 0.5, then 1.0 and 1.5, finish 2.0.
         assert backend["lorafleet_time_to_first_token_seconds"].records == [(0.5, adapter)]
-        assert backend["lorafleet_inter_token_latency_seconds"].values() == [0.25, 0.25, 0.5]
+        # One observation a chunk: "lo" (2 tokens, 0.5 s after "Hel"), then "!" (1 token).
+        assert backend["lorafleet_inter_token_latency_seconds"].values() == [0.25, 0.5]
         assert backend["lorafleet_request_latency_seconds"].records == [(2.0, adapter)]
         assert backend["lorafleet_output_tokens"].total(model_kind="adapter") == 6
         assert backend["lorafleet_prompt_tokens"].total(model_kind="adapter") == 4

@@ -23,6 +23,7 @@ def serve_cluster():
     ray = pytest.importorskip("ray")
     from ray import serve
 
+    from app.main import CONTROLLER_OPTIONS
     from benchmarks.bench_router_serve import METRICS_REPORT_INTERVAL_MS
 
     port, metrics_port = _free_port(), _free_port()
@@ -33,7 +34,9 @@ def serve_cluster():
         _metrics_export_port=metrics_port,
         _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS
+    )
     yield {
         "url": f"http://127.0.0.1:{port}",
         "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
