@@ -7,15 +7,16 @@ flight may join a step, learnt from the steps run) and `ReadTurns` (disk reads t
 `Request` and `RoutingStats`.
 
 Simulated: the device and the disk. A step takes `Calibration.step_s` of what it computes; a
-disk read takes `read_s`; host->GPU copies run one after another on the load stream, `copy_s`
-each, and a step whose adapters' copies have not landed ends no earlier than they land (its
-layers wait on them). `SimAdapters` is `replicas/adapters/manager.py: AdapterManager` with the
-reader and uploader replaced by those timings: the same gate (`is_resident`, `prepare`,
-`copy_settled`, `acquire`, `release`), the same `tick` (queue the waiting requests' adapters,
-start reads for the soonest needs, start the loads the budget allows) and the same residency
-report. `SimReplica` is `replicas/engine.py: Engine.step` (before_step -> schedule -> run ->
-postprocess) with `poll_during_step`'s rule: a request, hint or finished read that arrives
-while a step runs plans loads at once.
+disk read takes `read_s`, or `reuse_read_s` when an adapter the host cache evicted left pinned
+buffers for it to reuse (PyTorch's caching host allocator); host->GPU copies run one after
+another on the load stream, `copy_s` each, and a step whose adapters' copies have not landed
+ends no earlier than they land (its layers wait on them). `SimAdapters` is
+`replicas/adapters/manager.py: AdapterManager` with the reader and uploader replaced by those
+timings: the same gate (`is_resident`, `prepare`, `copy_settled`, `acquire`, `release`), the
+same `tick` (queue the waiting requests' adapters, start reads for the soonest needs, start the
+loads the budget allows) and the same residency report. `SimReplica` is `replicas/engine.py:
+Engine.step` (before_step -> schedule -> run -> postprocess) with `poll_during_step`'s rule: a
+request, hint or finished read that arrives while a step runs plans loads at once.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class SimAdapters:
         self._reads: dict[str, float] = {}  # started, not collected: adapter -> when it is done
         self._copies: dict[int, _Copy] = {}  # slot -> its latest copy
         self._stream_free = 0.0  # when the load stream has landed everything queued on it
+        self._spare_buffers = 0  # pinned buffer sets of evicted adapters, free for a read
         self.disk_reads = 0
         self.gpu_loads = 0
         self.prefetch_loads = 0
@@ -205,7 +207,9 @@ class SimAdapters:
         if not self.turns.free(a for a, done in self._reads.items() if done > now):
             return False
         self.turns.start(adapter)
-        done = self._reads[adapter] = now + self.cal.read_s
+        reuse = self._spare_buffers > 0
+        self._spare_buffers -= reuse
+        done = self._reads[adapter] = now + (self.cal.reuse_read_s if reuse else self.cal.read_s)
         self.loop.at(done, self.on_ready)
         return True
 
@@ -215,7 +219,8 @@ class SimAdapters:
             return False
         del self._reads[adapter]
         self.turns.finish(adapter)
-        self.host.put(adapter, FakeWeights(self.cal.adapter_bytes))
+        evicted = self.host.put(adapter, FakeWeights(self.cal.adapter_bytes))
+        self._spare_buffers += len(evicted)
         self.disk_reads += 1
         return True
 

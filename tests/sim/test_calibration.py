@@ -4,11 +4,12 @@ measures it, run on CPU with a tiny model so its code path is exercised."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from sim.calibrate import main as calibrate_main
-from sim.calibration import DEFAULT, Calibration, StepCost, StepSample
+from sim.calibration import DEFAULT, REUSED_READS, Calibration, StepCost, StepSample
 
 
 def samples_of(cost: StepCost) -> list[StepSample]:
@@ -43,9 +44,16 @@ class TestJson:
         cal = Calibration(
             step=DEFAULT.step, copy_s=0.002, read_s=0.03, adapter_bytes=1 << 20,
             source={"device": "x"}, samples=tuple(samples_of(DEFAULT.step)),
+            reused_reads=((16, 0.01), (64, 0.02)),
         )  # fmt: skip
         cal.save(tmp_path / "c.json")
         assert Calibration.load(tmp_path / "c.json") == cal
+
+    def test_a_file_without_reused_reads_takes_the_recorded_ones(self, tmp_path):
+        data = DEFAULT.to_json()
+        del data["reused_reads"]
+        (tmp_path / "c.json").write_text(json.dumps(data))
+        assert Calibration.load(tmp_path / "c.json").reused_reads == REUSED_READS
 
     def test_a_file_missing_a_cost_is_refused(self, tmp_path):
         data = DEFAULT.to_json()
@@ -81,6 +89,34 @@ class TestRank:
         assert r64.step.per_adapter_s == pytest.approx(4 * r16.step.per_adapter_s)
         assert (r64.step.base_s, r64.step.per_seq_s) == (r16.step.base_s, r16.step.per_seq_s)
         assert r16.for_rank(16) is r16
+
+    def test_a_read_into_reused_buffers_lies_on_the_line_through_the_recorded_ranks(self):
+        assert REUSED_READS == ((16, 0.04074), (128, 0.15244))  # the H100 churn runs
+        r16 = Calibration.from_json({**DEFAULT.to_json(), "source": {"rank": 16}})
+        assert r16.reuse_read_s == pytest.approx(0.04074)
+        assert r16.for_rank(128).reuse_read_s == pytest.approx(0.15244)
+        assert r16.for_rank(64).reuse_read_s == pytest.approx(0.04074 + 0.1117 * 48 / 112)
+        assert r16.for_rank(256).reuse_read_s == pytest.approx(0.15244 + 0.1117 * 128 / 112)
+        # Allocating is per byte: a read that must allocate scales with the rank.
+        assert r16.for_rank(64).read_s == pytest.approx(4 * r16.read_s)
+
+    def test_the_nearest_recorded_ranks_set_the_line(self):
+        cal = replace(DEFAULT, reused_reads=((128, 0.3), (16, 0.1), (64, 0.2)))
+        assert cal.reuse_read_s == pytest.approx(0.1)
+        assert cal.for_rank(32).reuse_read_s == pytest.approx(0.1 + 0.1 * 16 / 48)
+        assert cal.for_rank(96).reuse_read_s == pytest.approx(0.2 + 0.1 * 32 / 64)
+        assert cal.for_rank(1).reuse_read_s == pytest.approx(0.1 - 0.1 * 15 / 48)
+
+    def test_one_recorded_rank_scales_in_proportion(self):
+        cal = replace(DEFAULT, reused_reads=((32, 0.08),))
+        assert cal.reuse_read_s == pytest.approx(0.04)
+        assert cal.for_rank(64).reuse_read_s == pytest.approx(0.16)
+
+    def test_reused_reads_need_distinct_ranks(self):
+        with pytest.raises(ValueError, match="distinct ranks"):
+            replace(DEFAULT, reused_reads=((16, 0.1), (16, 0.2)))
+        with pytest.raises(ValueError, match="distinct ranks"):
+            replace(DEFAULT, reused_reads=())
 
     def test_a_source_without_a_rank_is_rank_16(self):
         assert DEFAULT.rank == 16

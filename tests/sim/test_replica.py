@@ -3,6 +3,10 @@ copy budget on the virtual clock, with the device and the disk replaced by calib
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from replicas.adapters.host_cache import HostCache
 from replicas.adapters.policy import CopyBudget
 from replicas.adapters.prefetcher import PrefetchQueue
@@ -12,7 +16,7 @@ from replicas.scheduler import Scheduler
 from sim import replica as sim_replica
 from sim.calibration import Calibration, StepCost
 from sim.events import EventLoop
-from sim.replica import ReplicaConfig, SimReplica, make_request
+from sim.replica import ReplicaConfig, SimAdapters, SimReplica, make_request
 
 CAL = Calibration(
     step=StepCost(base_s=0.01, per_seq_s=0.0005, per_adapter_s=0.0, prefill_token_s=1e-5),
@@ -84,6 +88,23 @@ def test_a_cold_adapter_costs_its_read_and_copy():
     assert run.first["cold"] >= CAL.read_s + CAL.copy_s
     # The prefetcher loads a waiting request's adapter before admission finds it resident.
     assert run.replica.adapters.disk_reads == 1 and run.replica.adapters.gpu_loads == 1
+
+
+def test_a_read_reuses_the_pinned_buffers_an_eviction_gave_back():
+    # Two host entries: "a" and "b" fill them, each read allocating; "c" too (nothing was
+    # evicted when it started), and its arrival evicts "a"; "d" reads into "a"'s buffers.
+    loop = EventLoop()
+    cal = replace(CAL, reused_reads=((16, 0.01),))
+    adapters = SimAdapters(loop, cal, ReplicaConfig(max_loras_per_batch=1, max_loaded_loras=2))
+    took = []
+    for name in "abcd":
+        start = loop.now()
+        assert not adapters.prepare(name)  # the read starts
+        loop.run()
+        assert adapters.prepare(name)  # read and in host memory
+        took.append(loop.now() - start)
+    assert took == pytest.approx([CAL.read_s, CAL.read_s, CAL.read_s, 0.01])
+    assert set(adapters.host) == {"c", "d"} and adapters.disk_reads == 4
 
 
 def test_a_hint_loads_the_adapter_before_its_request():
