@@ -14,7 +14,9 @@ fleet shape, adapters, popularity and Poisson rate. Three kinds:
 
 The predictions use `benchmarks/results/sim_calibration.json` (H200, rank 16) scaled to the
 cell's rank (`Calibration.for_rank`), the very requests the benchmark sends
-(`sim.workload.serving_benchmark`) and no HTTP overhead.
+(`sim.workload.serving_benchmark`) and the served path's measured time outside the engine
+(`http_overhead_s`: the cells run through HTTP). Beside them, `sim.bound`'s floor on any
+router's loads and disk reads for the cell's requests.
 """
 
 from __future__ import annotations
@@ -25,19 +27,24 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sim.bound import LoadBound, fleet_bound
 from sim.calibration import DEFAULT, Calibration
 from sim.fleet import ROUTERS, Fleet, FleetConfig
 from sim.replica import ReplicaConfig, capacity_rps
+from sim.serve import ServeConfig
 from sim.workload import Workload, serving_benchmark
 
-CALIBRATION = Path(__file__).parents[1] / "benchmarks/results/sim_calibration.json"
+RESULTS = Path(__file__).parents[1] / "benchmarks/results"
+CALIBRATION = RESULTS / "sim_calibration.json"
+# The same requests through HTTP and in-process to one engine on an H200 (bench_serve, seeds).
+SERVED_PATH_RUN = RESULTS / "bench_serve_seeds_warmup.json"
 FIGURES = (
-    "loads_per_1k", "disk_reads_per_1k", "arrival_hit_rate", "hit_rate", "ttft_p50_ms",
-    "ttft_p99_ms", "throughput_tok_s", "imbalance", "hot_replicas", "hot_spread_s",
+    "loads_per_1k", "disk_reads_per_1k", "arrival_hit_rate", "hit_rate", "adapter_wait_mean_ms",
+    "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "imbalance", "hot_replicas", "hot_spread_s",
 )  # fmt: skip
 HOT = "lora-0"  # the most popular adapter of every cell (bench_router_serve.adapter_names)
 
@@ -86,6 +93,16 @@ class RouterCell:
             max_model_len=self.max_model_len,
         )
 
+    def bound(self) -> LoadBound:
+        """`sim.bound.fleet_bound` for this cell's requests, slots and host caches."""
+        w = self.workload()
+        return fleet_bound(
+            [a.adapter for a in w.measured],
+            gpu_entries=self.replicas * self.slots,
+            memory_entries=self.replicas * max(self.host_cache, self.slots),
+            warmup=[a.adapter for a in w.warmup],
+        )
+
     def capacity_share(self, cal: Calibration) -> float:
         """The rate over the fleet's nominal capacity (`capacity_rps`: full batches, every
         adapter resident)."""
@@ -119,6 +136,20 @@ def calibration(path: str | Path | None = None) -> Calibration:
     """The calibration file at `path`, else the recorded H200 one, else the built-in estimate."""
     path = path or (CALIBRATION if CALIBRATION.exists() else None)
     return Calibration.load(path) if path else DEFAULT
+
+
+def http_overhead_s(run: str | Path = SERVED_PATH_RUN, rpc_s: float = ServeConfig.rpc_s) -> float:
+    """The time HTTP, Serve's proxy and the ingress add to a first token (`FleetConfig.overhead_s`)
+    from a `benchmarks/bench_serve.py` run that sent the same requests through HTTP and to the
+    same engine in-process: the difference of their TTFT P50s, less the router -> replica and
+    replica -> router hops (`rpc_s` each) the fleet times itself. The seeds run (8 req/s, one
+    H200): 48.3 - 28.5 - 1.0 = 18.8 ms."""
+    rows = {row["path"]: row for row in json.loads(Path(run).read_text())["rows"]}
+    try:
+        served = rows["http"]["ttft_p50_ms"] - rows["in-process"]["ttft_p50_ms"]
+    except (KeyError, TypeError):
+        raise ValueError(f"{run}: no HTTP and in-process TTFT P50 of the same requests") from None
+    return max(0.0, served / 1e3 - 2 * rpc_s)
 
 
 def predict(
@@ -179,19 +210,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default=",".join(CELLS), help="comma-separated cell names")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--calibration", default=None)
+    ap.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=None,
+        help=f"HTTP, proxy and ingress time on every TTFT (default: {SERVED_PATH_RUN.name}'s)",
+    )
     ap.add_argument("--json", default=None, help="also write the predictions here")
     args = ap.parse_args(argv)
     cal = calibration(args.calibration)
-    result: dict[str, Any] = {}
+    overhead_s = http_overhead_s() if args.overhead_ms is None else args.overhead_ms / 1e3
+    print(f"HTTP overhead {overhead_s * 1e3:.1f} ms on every TTFT")
+    result: dict[str, Any] = {"overhead_ms": overhead_s * 1e3}
     head = ["cell", "router", *FIGURES]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+    bounds = {}
     for name in args.cells.split(","):
         cell = CELLS[name]
-        figures = predict(cell, cal, seeds=args.seeds)
-        result[name] = {"capacity_share": cell.capacity_share(cal), "routers": figures}
+        figures = predict(cell, cal, seeds=args.seeds, overhead_s=overhead_s)
+        bounds[name] = cell.bound()
+        result[name] = {
+            "capacity_share": cell.capacity_share(cal),
+            "routers": figures,
+            "bound": asdict(bounds[name]),
+        }
         for router, values in figures.items():
             row = [name, router, *(f"{values[f]:.3g}" for f in FIGURES)]
             print("| " + " | ".join(row) + " |", flush=True)
+    print(
+        "\nAny router, requests in arrival order (sim.bound): floor (Belady MIN, any warm-up) "
+        "and the fleet as one LRU cache, per 1k requests"
+    )
+    for name, b in bounds.items():
+        print(
+            f"{name}: GPU loads >= {b.loads_floor_per_1k:.0f} (LRU {b.lru_loads_per_1k:.0f}) over "
+            f"{b.gpu_entries} slots; disk reads >= {b.disk_reads_floor_per_1k:.0f} "
+            f"(LRU {b.lru_disk_reads_per_1k:.0f}) over {b.memory_entries} host entries"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -6,9 +6,12 @@
 Reads the JSON that benchmarks/bench_router_serve.py writes (its `args` and one row per
 popularity and router), rebuilds each cell's workload with the same loadgen calls and seed
 (`sim.workload.serving_benchmark`), simulates every router of the file on a fleet of the same
-shape, and prints per cell the measured and predicted adapter loads per 1k requests, imbalance
-and TTFT P99, each with its check: the prediction within `--tolerance` (20%) of the measurement.
-`loads_vs_pow2` is the figure the simulator exists for: each router's loads over pow2's.
+shape, and prints per cell the measured and predicted adapter loads and disk reads per 1k
+requests, the mean wait for an adapter, imbalance and TTFT P50 and P99, each with its check:
+the prediction within `--tolerance` (20%) of the measurement. `loads_vs_pow2` is the figure the
+simulator exists for: each router's loads over pow2's. The runs went through HTTP, so every
+predicted TTFT carries the served path's measured time (`sim.cells.http_overhead_s`) unless
+`--overhead-ms` says otherwise.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from sim.calibration import DEFAULT, Calibration
-from sim.cells import RouterCell
+from sim.cells import SERVED_PATH_RUN, RouterCell, http_overhead_s
 from sim.cells import predict as predict_cell
 from sim.fleet import ROUTERS
 
 DEFAULT_CALIBRATION = Path("benchmarks/results/sim_calibration.json")
-FIGURES = ("loads_per_1k", "imbalance", "ttft_p99_ms", "loads_vs_pow2")
+FIGURES = (
+    "loads_per_1k", "disk_reads_per_1k", "adapter_wait_mean_ms", "imbalance", "ttft_p50_ms",
+    "ttft_p99_ms", "loads_vs_pow2",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -186,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--overhead-ms",
         type=float,
-        default=0.0,
-        help="client <-> router time (HTTP, proxy, ingress) added to every TTFT",
+        default=None,
+        help="client <-> router time (HTTP, proxy, ingress) added to every TTFT "
+        f"(default: measured, {SERVED_PATH_RUN.name})",
     )
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
@@ -198,16 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     routers = list(dict.fromkeys(c.router for c in cells))
     if "pow2" not in routers:
         routers.append("pow2")  # loads_vs_pow2 needs it
+    overhead_s = http_overhead_s() if args.overhead_ms is None else args.overhead_ms / 1e3
     predicted = {}
     for popularity in dict.fromkeys(c.popularity for c in cells):
-        figures = predict(
-            shape, popularity, routers, cal, seeds=args.seeds, overhead_s=args.overhead_ms / 1e3
-        )
+        figures = predict(shape, popularity, routers, cal, seeds=args.seeds, overhead_s=overhead_s)
         for router, values in figures.items():
             predicted[popularity, router] = values
     rows = compare(cells, predicted, args.tolerance)
     print(f"measured: {args.measured}")
     print(f"calibration: {path or 'built-in estimate'} {cal.source}")
+    print(f"HTTP overhead on every TTFT: {overhead_s * 1e3:.1f} ms")
     print(table(rows, args.tolerance))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

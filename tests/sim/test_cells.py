@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from benchmarks.bench_router_serve import parse_args, workloads
 from benchmarks.loadgen.workload import workload_digest
-from sim.cells import CELLS, HOT, RouterCell, calibration, predict
+from sim.cells import CELLS, HOT, RouterCell, calibration, http_overhead_s, predict
 from sim.fleet import ROUTERS
 
 
@@ -55,3 +56,25 @@ def test_prediction_of_a_small_hot_cell():
     assert out["affinity"]["hot_replicas"] == 2
     assert math.isfinite(out["affinity"]["hot_spread_s"])
     assert HOT == "lora-0"
+
+
+class TestHttpOverhead:
+    def test_measured_as_http_less_in_process_less_the_modelled_hops(self, tmp_path):
+        run = tmp_path / "seeds.json"
+        rows = [
+            {"path": "http", "ttft_p50_ms": 50.0},
+            {"path": "in-process", "ttft_p50_ms": 30.0},
+            {"path": "roofline", "ttft_p50_ms": None},
+        ]
+        run.write_text(json.dumps({"rows": rows}))
+        assert http_overhead_s(run, rpc_s=0.001) == pytest.approx(0.018)
+
+    def test_the_recorded_seeds_run(self):
+        # bench_serve_seeds_warmup: 48.3 ms through HTTP, 28.5 in-process, 2 x 0.5 ms modelled.
+        assert http_overhead_s() == pytest.approx(0.0188, abs=1e-4)
+
+    def test_a_run_without_both_paths_is_refused(self, tmp_path):
+        run = tmp_path / "seeds.json"
+        run.write_text(json.dumps({"rows": [{"path": "http", "ttft_p50_ms": 50.0}]}))
+        with pytest.raises(ValueError, match="in-process"):
+            http_overhead_s(run)
