@@ -76,7 +76,15 @@ from benchmarks.loadgen.workload import workload_digest
 from benchmarks.serve_engine import drive
 from benchmarks.serve_goodput import Objectives
 from benchmarks.serve_http import HttpPhase, deploy_and_measure
-from benchmarks.serve_report import Measured, goodput_json, ratios, roofline_row, row, save
+from benchmarks.serve_report import (
+    Measured,
+    goodput_json,
+    ratios,
+    roofline_row,
+    row,
+    save,
+    step_figures,
+)
 from benchmarks.serve_roofline import FORMULA, Roofline, measure_ceilings, roofline
 from benchmarks.serve_workloads import (
     BASE_MODEL,
@@ -114,7 +122,8 @@ def in_process(
             result = drive(engine, stream.specs, stream.offsets().tolist())
             summary = summarize(result.records, result.duration_s)
             busy = [result.busy_s / result.duration_s] if result.duration_s > 0 else []
-            out[stream.label] = Measured(summary, busy, [summary["completed"]])
+            steps = step_figures({"engine": result.stats[0]}, {"engine": result.stats[1]})
+            out[stream.label] = Measured(summary, busy, [summary["completed"]], steps=steps)
             print(stream.label, json.dumps(row(stream.label, "in-process", out[stream.label])),
                   flush=True)  # fmt: skip
         return out

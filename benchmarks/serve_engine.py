@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from benchmarks.loadgen.records import Outcome, RequestRecord
 from benchmarks.loadgen.workload import RequestSpec
@@ -26,6 +26,7 @@ class DriveResult:
     duration_s: float  # from the first arrival to the last token
     busy_s: float  # the engine's time inside steps during the run
     steps: int
+    stats: tuple[dict, dict]  # EngineStats fields before and after the run
 
 
 @dataclass
@@ -92,6 +93,7 @@ def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]
         duration_s=end - start,
         busy_s=after.busy_s - before.busy_s,
         steps=after.num_steps - before.num_steps,
+        stats=(asdict(before), asdict(after)),
     )
 
 

@@ -29,7 +29,7 @@ from benchmarks.serve_cpu import (
     serving_processes,
 )
 from benchmarks.serve_goodput import Goodput, Objectives, search
-from benchmarks.serve_report import Measured, fleet_figures, row
+from benchmarks.serve_report import Measured, fleet_figures, row, step_figures
 from benchmarks.serve_workloads import Stream, Workload
 
 APP_NAME = "bench-serve"
@@ -71,7 +71,7 @@ async def http_run(
         processes, cpu_before, cpu_after, report.summary["total_output_tokens"], step_cpu
     )
     cpu["threads_cpu_s"] = busiest_threads(processes, threads_before, threads_after)
-    return Measured(report.summary, busy, requests, cpu)
+    return Measured(report.summary, busy, requests, cpu, step_figures(before, after))
 
 
 PROFILE_S = 15

@@ -25,6 +25,7 @@ class Measured:
     busy_share: list[float] = field(default_factory=list)  # per replica (one in-process)
     requests_per_replica: list[int] = field(default_factory=list)
     host_cpu: dict[str, Any] | None = None  # serve_cpu.cpu_per_token, through HTTP
+    steps: dict[str, float] | None = None  # step_figures
 
 
 def fleet_figures(
@@ -42,6 +43,30 @@ def fleet_figures(
         grown = float(after[rid]["busy_s"]) - float(prior.get("busy_s", 0.0))
         busy.append(grown / duration_s if duration_s > 0 else 0.0)
     return requests, busy
+
+
+def step_figures(
+    before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mapping[str, Any]]
+) -> dict[str, float] | None:
+    """The engines' steps over a run, from `EngineStats` readings keyed by replica, before and
+    after it: mean step time, of it the host's time up to the last launch, and the mean batch.
+    A step slower through HTTP than in-process with the same batch is the host's doing when
+    its launch time grew (the step thread waiting for the GIL among them)."""
+
+    def grown(name: str) -> float:
+        return sum(
+            float(a.get(name, 0.0)) - float(before.get(rid, {}).get(name, 0.0))
+            for rid, a in after.items()
+        )
+
+    steps = grown("num_steps")
+    if steps <= 0:
+        return None
+    return {
+        "step_ms": 1e3 * grown("busy_s") / steps,
+        "launch_ms": 1e3 * grown("launch_s") / steps,
+        "seqs_per_step": grown("step_seqs") / steps,
+    }
 
 
 def row(label: str, path: str, m: Measured) -> dict[str, Any]:
@@ -65,6 +90,8 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
         sum(m.busy_share) / len(m.busy_share) if m.busy_share else None
     )  # the replicas' mean
     figures["requests_per_replica"] = m.requests_per_replica or None
+    for name, value in (m.steps or {}).items():
+        figures[name] = value
     if m.host_cpu is not None:
         figures["host_cpu_us_per_token"] = m.host_cpu["us_per_token"]
         figures["host_cpu_us_per_token_by_process"] = m.host_cpu.get("us_per_token_by_process")
@@ -136,7 +163,7 @@ def goodput_json(found: Goodput, capacity_req_s: float | None, objectives: Objec
 COLUMNS = [
     "stream", "path", "completed", "throughput_tok_s", "ttft_p50_ms", "ttft_p90_ms",
     "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s", "e2e_p90_s",
-    "e2e_p99_s", "busy_share", "requests_per_replica",
+    "e2e_p99_s", "busy_share", "step_ms", "launch_ms", "seqs_per_step", "requests_per_replica",
 ]  # fmt: skip
 SWEEP_COLUMNS = [
     "rate", "passed", "completed", "failed", "request_throughput", "throughput_tok_s",

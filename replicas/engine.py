@@ -80,6 +80,8 @@ class Engine:
         self.num_preemptions = 0  # running requests sent back to wait (KV cache full), recomputed
         self.max_adapters_in_step = 0  # the most distinct adapters one step has batched
         self.busy_s = 0.0  # summed step times: busy share = growth / wall time
+        self.launch_s = 0.0  # summed host launch times (ModelRunner.last_launch_s)
+        self.step_seqs = 0
         self.num_finished = 0
         self._stalled = False
         self._timings: deque[StepTiming] = deque(maxlen=STEP_LOG)
@@ -187,6 +189,8 @@ class Engine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             busy_s=self.busy_s,
+            launch_s=self.launch_s,
+            step_seqs=self.step_seqs,
             num_finished=self.num_finished,
         )
 
@@ -257,6 +261,8 @@ class Engine:
         # The readback waited for the step's device work: this is the step's time.
         elapsed = time.monotonic() - started
         self.busy_s += elapsed
+        self.launch_s += self.runner.last_launch_s
+        self.step_seqs += len(sched.seqs)
         prefill_tokens = sum(s.num_new_tokens for s in sched.seqs if s.num_new_tokens > 1)
         self.adapters.after_step(loads, elapsed, prefill_tokens)
         self._timings.append(StepTiming(

@@ -39,6 +39,8 @@ class EngineStats:
     num_running: int
     num_waiting: int
     busy_s: float = 0.0  # time inside steps (start -> sampled tokens back): the device's busy time
+    launch_s: float = 0.0  # of which host time from a step's start to its last launch, summed
+    step_seqs: int = 0  # sequences over all steps (over num_steps: the mean batch)
     num_finished: int = 0  # requests finished (stopped or at their length), aborts not counted
 
 

@@ -20,7 +20,7 @@ from benchmarks.bench_serve import app_args, parse_args
 from benchmarks.loadgen import LengthRange, LoadConfig, OpenAIClient, run_load, summarize
 from benchmarks.serve_engine import drive
 from benchmarks.serve_goodput import Objectives, search
-from benchmarks.serve_report import Measured, fleet_figures, ratios, row, save
+from benchmarks.serve_report import Measured, fleet_figures, ratios, row, save, step_figures
 from benchmarks.serve_roofline import (
     Ceilings,
     kv_bytes_per_token,
@@ -188,6 +188,9 @@ class TestInProcessDriver:
         offsets = sorted(work.offsets().tolist())
         assert [b - starts[0] for b in starts] == pytest.approx(offsets, abs=1e-6)
         assert 0 < local.busy_s <= local.duration_s and local.steps > 0
+        steps = step_figures({"e": local.stats[0]}, {"e": local.stats[1]})
+        assert steps["step_ms"] == pytest.approx(1e3 * local.busy_s / local.steps)
+        assert 0 < steps["launch_ms"] <= steps["step_ms"] and steps["seqs_per_step"] >= 1
 
 
 class TestStreams:
@@ -252,6 +255,16 @@ class TestReport:
         }
         requests, busy = fleet_figures(before, after, duration_s=4.0)
         assert requests == [5, 20, 3] and busy == pytest.approx([0.5, 0.5, 0.25])
+
+    def test_step_figures_sum_the_replicas_steps(self):
+        before = {"a": {"num_steps": 10, "busy_s": 1.0, "launch_s": 0.2, "step_seqs": 40}}
+        after = {
+            "a": {"num_steps": 30, "busy_s": 1.5, "launch_s": 0.3, "step_seqs": 140},
+            "b": {"num_steps": 20, "busy_s": 0.5, "launch_s": 0.1, "step_seqs": 60},  # new
+        }
+        steps = step_figures(before, after)
+        assert steps == pytest.approx({"step_ms": 25.0, "launch_ms": 5.0, "seqs_per_step": 4.0})
+        assert step_figures(after, after) is None  # no step ran
 
     def test_results_files_hold_the_rows_and_the_ratios(self, tmp_path):
         args = parse_args(["--smoke", "--out", str(tmp_path)])
