@@ -51,20 +51,12 @@ import torch
 
 from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.common import device_name, write_results
-from benchmarks.loadgen import (
-    LengthRange,
-    LoadConfig,
-    OpenAIClient,
-    RunReport,
-    WorkloadConfig,
-    build_workload,
-    run_benchmark,
-)
+from benchmarks.loadgen import LengthRange, LoadConfig, OpenAIClient, RunReport, run_benchmark
 from benchmarks.loadgen.runner import warm_up
-from benchmarks.loadgen.workload import RequestSpec, workload_digest
 from replicas.models.spec import ModelSpec
+from workloads.requests import RequestSpec, workload_digest
+from workloads.router_cell import BASE_MODEL, adapter_names, cell_requests
 
-BASE_MODEL = "base"
 ENGINE_DEPLOYMENT = "EngineDeployment"
 WAIT_METRIC = "ray_lorafleet_adapter_wait_seconds"  # observed once per finished adapter request
 METRICS_REPORT_INTERVAL_MS = 500  # how often replicas push metrics to the export (default 10 s)
@@ -108,10 +100,6 @@ def write_model(root: Path, model_config: Mapping[str, Any]) -> Path:
     (model_dir / "config.json").write_text(json.dumps(dict(model_config)))
     save_tokenizer(tokenizer, model_dir)
     return model_dir
-
-
-def adapter_names(count: int) -> list[str]:
-    return [f"lora-{i}" for i in range(count)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,26 +243,19 @@ class Workloads:
 
 
 def workloads(args: argparse.Namespace, names: list[str], popularity: str) -> Workloads:
-    def specs(kind: str, count: int, seed: int, output_len: LengthRange) -> list[RequestSpec]:
-        return build_workload(
-            WorkloadConfig(
-                num_prompts=count,
-                input_len=args.input_len,
-                output_len=output_len,
-                adapters=tuple(names),
-                base_model=BASE_MODEL,
-                popularity=kind,
-                seed=seed,
-            )
-        )
-
-    # The warm-up goes over the adapters in turn, all at once, with short outputs: batches of
-    # many adapters and prompts of every length on each replica before anything is timed.
-    warm_count = min(len(names), max(2, 4 * args.slots * args.replicas))
-    short = min(8, args.output_len.high)
+    cell = cell_requests(
+        names,
+        slots=args.slots,
+        replicas=args.replicas,
+        num_requests=args.num_requests,
+        popularity=popularity,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed,
+    )
     return Workloads(
-        warmup=specs("distinct", warm_count, args.seed + 1, LengthRange(short, short)),
-        measured=specs(popularity, args.num_requests, args.seed, args.output_len),
+        warmup=cell.warmup,
+        measured=cell.measured,
         load=LoadConfig(request_rate=args.rate, timeout_s=args.run_timeout, seed=args.seed),
     )
 

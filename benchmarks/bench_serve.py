@@ -72,7 +72,6 @@ from benchmarks.bench_churn import TINY, write_fleet
 from benchmarks.bench_router_serve import adapter_names, add_run_options, write_model
 from benchmarks.common import device_name
 from benchmarks.loadgen import RequestSpec, summarize
-from benchmarks.loadgen.workload import workload_digest
 from benchmarks.serve_engine import drive
 from benchmarks.serve_goodput import Objectives
 from benchmarks.serve_http import HttpPhase, deploy_and_measure
@@ -97,6 +96,7 @@ from benchmarks.serve_workloads import (
     warmup_specs,
 )
 from replicas.models.spec import ModelSpec
+from workloads.requests import workload_digest
 
 # The H200 step calibration `python -m sim.calibrate` measured (Llama-3-8B shapes, rank 16).
 CALIBRATION = Path(__file__).parent / "results" / "sim_calibration.json"

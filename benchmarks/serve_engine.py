@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from benchmarks.loadgen.records import Outcome, RequestRecord
-from benchmarks.loadgen.workload import RequestSpec
 from replicas.engine import Engine, RequestRejected
 from replicas.request import Request, SamplingParams
+from workloads.requests import RequestSpec
 
 
 @dataclass(frozen=True)

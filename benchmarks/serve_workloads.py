@@ -14,8 +14,8 @@ import numpy as np
 
 from benchmarks.bench_churn import LLAMA3_8B, TINY
 from benchmarks.loadgen import LengthRange, LoadConfig, RequestSpec, WorkloadConfig, build_workload
-from benchmarks.loadgen.arrivals import arrival_offsets
-from benchmarks.loadgen.workload import rng_for
+from workloads.arrivals import arrival_offsets
+from workloads.requests import rng_for
 
 BASE_MODEL = "base"
 WARMUP_OUTPUT_TOKENS = 8

@@ -46,7 +46,7 @@ FIGURES = (
     "loads_per_1k", "disk_reads_per_1k", "arrival_hit_rate", "hit_rate", "adapter_wait_mean_ms",
     "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "imbalance", "hot_replicas", "hot_spread_s",
 )  # fmt: skip
-HOT = "lora-0"  # the most popular adapter of every cell (bench_router_serve.adapter_names)
+HOT = "lora-0"  # the most popular adapter of every cell (workloads.router_cell.adapter_names)
 
 
 _WORKLOAD_OPTIONS = (

@@ -1,5 +1,6 @@
-"""Request streams for the simulator: the serving benchmark's own (the same seeded requests and
-arrival times `benchmarks/bench_router_serve.py` sends), or generated ones for policy studies.
+"""Request streams for the simulator: a routing cell's own (the same seeded requests and arrival
+times `benchmarks/bench_router_serve.py` sends, from `workloads/`), or generated ones for policy
+studies.
 """
 
 from __future__ import annotations
@@ -58,37 +59,24 @@ def serving_benchmark(
     output_len: tuple[int, int] = (32, 96),
     seed: int = 0,
 ) -> Workload:
-    """The requests of one cell of `benchmarks/bench_router_serve.py`, built by the same
-    loadgen calls (`workloads()` there): a warm-up over every adapter in turn, all at once with
-    short outputs, then the seeded workload at Poisson `rate`."""
-    from benchmarks.loadgen.arrivals import arrival_offsets
-    from benchmarks.loadgen.workload import (
-        LengthRange,
-        WorkloadConfig,
-        build_workload,
-        rng_for,
-        workload_digest,
+    """The requests of one routing cell as `benchmarks/bench_router_serve.py` sends them
+    (`workloads.router_cell`): a warm-up over every adapter in turn, all at once with short
+    outputs, then the seeded workload at Poisson `rate`."""
+    from workloads.arrivals import arrival_offsets
+    from workloads.requests import LengthRange, rng_for, workload_digest
+    from workloads.router_cell import adapter_names, cell_requests
+
+    cell = cell_requests(
+        adapter_names(num_adapters),
+        slots=slots,
+        replicas=replicas,
+        num_requests=num_requests,
+        popularity=popularity,
+        input_len=LengthRange(*input_len),
+        output_len=LengthRange(*output_len),
+        seed=seed,
     )
-
-    names = tuple(f"lora-{i}" for i in range(num_adapters))  # bench_router_serve.adapter_names
-
-    def specs(kind: str, count: int, seed_: int, out: LengthRange):
-        return build_workload(
-            WorkloadConfig(
-                num_prompts=count,
-                input_len=LengthRange(*input_len),
-                output_len=out,
-                adapters=names,
-                base_model="base",
-                popularity=kind,
-                seed=seed_,
-            )
-        )
-
-    warm_count = min(num_adapters, max(2, 4 * slots * replicas))
-    short = min(8, output_len[1])
-    warm = specs("distinct", warm_count, seed + 1, LengthRange(short, short))
-    measured = specs(popularity, num_requests, seed, LengthRange(*output_len))
+    warm, measured = cell.warmup, cell.measured
     # runner.run_load: Poisson (burstiness 1) offsets from the load's seed
     offsets = arrival_offsets(len(measured), rate, 1.0, rng_for(seed, "arrivals"))
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 import numpy as np
 
-from benchmarks.loadgen.popularity import check_popularity, pick_adapters
+from workloads.popularity import check_popularity, pick_adapters
 
 PromptKind = Literal["tokens", "text"]
 

@@ -17,9 +17,10 @@
 The workload (models, prompts, lengths) and the arrival pattern are seeded (`--seed`), so two
 servers, or two points of a sweep, see the same requests.
 
-Files, in the order a request meets them:
-  workload.py      `WorkloadConfig` -> `RequestSpec`s (popularity.py picks each adapter)
-  arrivals.py      when each is sent (Poisson, Gamma bursts, all at once)
+The requests and their send times come from the `workloads` package (`workloads/requests.py`:
+`WorkloadConfig` -> `RequestSpec`s, `popularity.py` picks each adapter, `arrivals.py` says when
+each is sent), which the fleet simulator reads too. The files here, in the order a request meets
+them:
   runner.py        `LoadConfig`: sends specs at their times, caps in-flight, total timeout
   client.py        `OpenAIClient.send`: one streamed request -> one `RequestRecord` (records.py)
   metrics.py       records -> TTFT / ITL / TPOT / E2E, throughput, goodput, per adapter
@@ -34,7 +35,7 @@ from benchmarks.loadgen.client import OpenAIClient
 from benchmarks.loadgen.metrics import SLO, per_adapter, summarize
 from benchmarks.loadgen.records import Outcome, RequestRecord
 from benchmarks.loadgen.runner import LoadConfig, run_load
-from benchmarks.loadgen.workload import LengthRange, RequestSpec, WorkloadConfig, build_workload
+from workloads.requests import LengthRange, RequestSpec, WorkloadConfig, build_workload
 
 __all__ = [
     "SLO",

@@ -17,10 +17,10 @@ import httpx
 from benchmarks.loadgen.benchmark import WarmupFailed, run_benchmark
 from benchmarks.loadgen.client import PATHS, OpenAIClient
 from benchmarks.loadgen.metrics import SLO
-from benchmarks.loadgen.popularity import POPULARITIES
 from benchmarks.loadgen.report import to_json, to_markdown, write_plot
 from benchmarks.loadgen.runner import LoadConfig
-from benchmarks.loadgen.workload import LengthRange, WorkloadConfig, build_workload, workload_digest
+from workloads.popularity import POPULARITIES
+from workloads.requests import LengthRange, WorkloadConfig, build_workload, workload_digest
 
 
 def _rate(text: str) -> float:

@@ -11,7 +11,7 @@ from benchmarks.loadgen.progress import make_progress
 from benchmarks.loadgen.records import RequestRecord
 from benchmarks.loadgen.runner import LoadConfig, LoadResult, Sender, run_load, warm_up
 from benchmarks.loadgen.server_stats import numeric_diff
-from benchmarks.loadgen.workload import RequestSpec
+from workloads.requests import RequestSpec
 
 
 class Server(Sender, Protocol):

@@ -19,7 +19,7 @@ import httpx
 
 from benchmarks.loadgen.metrics import chunk_token_counts, inter_token_latencies
 from benchmarks.loadgen.records import Outcome, RequestRecord
-from benchmarks.loadgen.workload import RequestSpec
+from workloads.requests import RequestSpec
 
 Endpoint = Literal["completions", "chat"]
 PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

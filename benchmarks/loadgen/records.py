@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from benchmarks.loadgen.workload import RequestSpec
+from workloads.requests import RequestSpec
 
 
 class Outcome(str, enum.Enum):

@@ -11,7 +11,7 @@ from typing import Any
 
 from benchmarks.loadgen.benchmark import BenchmarkResult, RunReport
 from benchmarks.loadgen.metrics import SLO
-from benchmarks.loadgen.workload import WorkloadConfig
+from workloads.requests import WorkloadConfig
 
 SCHEMA = "lorafleet.loadgen/1"
 MAX_ADAPTER_ROWS = 20

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from benchmarks.loadgen.arrivals import arrival_offsets
 from benchmarks.loadgen.progress import NoProgress, Progress
 from benchmarks.loadgen.records import Outcome, RequestRecord
-from benchmarks.loadgen.workload import RequestSpec, rng_for
+from workloads.arrivals import arrival_offsets
+from workloads.requests import RequestSpec, rng_for
 
 
 class Sender(Protocol):

@@ -11,8 +11,8 @@ import pytest
 from benchmarks.loadgen.__main__ import amain, build_parser, main
 from benchmarks.loadgen.client import OpenAIClient
 from benchmarks.loadgen.records import Outcome
-from benchmarks.loadgen.workload import RequestSpec
 from tests.benchmarks.fake_server import ADAPTERS, BASE, BROKEN, FakeConfig, FakeTransport, serve
+from workloads.requests import RequestSpec
 
 FIRST_TOKEN_DELAY_S = FakeConfig().first_token_delay_s
 TOKEN_DELAY_S = FakeConfig().token_delay_s

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.loadgen.records import Outcome, RequestRecord
 from benchmarks.loadgen.runner import LoadConfig, run_load, warm_up
-from benchmarks.loadgen.workload import LengthRange, WorkloadConfig, build_workload
+from workloads.requests import LengthRange, WorkloadConfig, build_workload
 
 
 def specs(n: int):

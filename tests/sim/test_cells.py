@@ -8,9 +8,9 @@ import math
 import pytest
 
 from benchmarks.bench_router_serve import parse_args, workloads
-from benchmarks.loadgen.workload import workload_digest
 from sim.cells import CELLS, HOT, RouterCell, calibration, http_overhead_s, predict
 from sim.fleet import ROUTERS
+from workloads.requests import workload_digest
 
 
 class TestCells:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.loadgen.arrivals import arrival_offsets
+from workloads.arrivals import arrival_offsets
 
 
 def gaps(rate: float, burstiness: float, count: int = 20_000, seed: int = 0) -> np.ndarray:

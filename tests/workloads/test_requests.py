@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from benchmarks.loadgen.popularity import pick_adapters, popularity_weights
-from benchmarks.loadgen.workload import (
+from workloads.popularity import pick_adapters, popularity_weights
+from workloads.requests import (
     LengthRange,
     WorkloadConfig,
     build_workload,
