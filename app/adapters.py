@@ -1,9 +1,10 @@
 """Which adapters the app serves, and which adapter (if any) a request's `model` names.
 
-Folder validation is the engine's own (`replicas.adapters.loader.check_adapter_files`: the config,
-and the weights file's header and tensor layout against it), so the ingress refuses the adapters an
-engine replica would refuse before a load is broadcast or a request queued; only what needs the
-model's sizes (layer count, in/out features) is left to the engine replicas' own check at load.
+Folder validation is the engine's own (`check_adapter_files` of `replicas/adapters/layout.py`: the
+config, and the weights file's header and tensor layout against it), so the ingress refuses the
+adapters an engine replica would refuse before a load is broadcast or a request queued; only what
+needs the model's sizes (layer count, in/out features) is left to the engine replicas' own check at
+load. It imports no torch.
 
 The engine replicas are the authority on which adapters are served: adapters loaded or unloaded
 at run time reach every engine replica (`app/management.py`), while each ingress replica keeps a
@@ -22,7 +23,8 @@ from pathlib import Path
 from typing import Literal
 
 from replicas.adapters.hub import HubRef, Location, location_of
-from replicas.adapters.loader import AdapterError, check_adapter_files
+from replicas.adapters.layout import check_adapter_files
+from replicas.adapters.peft_config import AdapterError
 
 __all__ = [
     "AdapterError",

@@ -34,7 +34,8 @@ import torch
 
 from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.common import write_results
-from replicas.adapters.loader import WEIGHTS_FILE, read_adapter_file
+from replicas.adapters.loader import read_adapter_file
+from replicas.adapters.peft_config import WEIGHTS_FILE
 from replicas.lora import LoraWeightPool
 from replicas.models.spec import ModelSpec
 

@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Callable
 
 from replicas.adapters.hub import HubAccess
-from replicas.adapters.loader import AdapterError
 from replicas.adapters.manager import AdapterManager
+from replicas.adapters.peft_config import AdapterError
 from replicas.adapters.registry import ServedAdapters
 from replicas.config import EngineConfig
 from replicas.engine_stats import EngineStats, RoutingStats, StepTiming

@@ -127,9 +127,7 @@ class LoraWeightPool:
         """`pack` straight from the file's bytes: when the file's dtype is the pool's and no
         module has its own scaling, the packed buffers are filled by one copy, with no torch op
         per module (this runs on a reader thread; see AdapterFile)."""
-        if not file.ratios and all(
-            a.dtype == self.dtype and b.dtype == self.dtype for a, b in file.pairs.values()
-        ):
+        if not file.ratios and file.dtype == self.dtype:
             raw = file.raw
             parts = {key: (raw[a.start : a.end], raw[b.start : b.end])  # indexing: no GIL release
                      for key, (a, b) in file.pairs.items()}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replicas.adapters.hub import HubRef
-from replicas.adapters.loader import AdapterError
+from replicas.adapters.peft_config import AdapterError
 
 logger = logging.getLogger("ray.serve")
 
@@ -122,4 +122,3 @@ class HubFetcher:
 
     def _fail(self, ref: HubRef, message: str, status: int, now: float) -> None:
         self._failures[ref] = FetchFailure(message, status, now + self.retry_after_s)
-

@@ -8,7 +8,7 @@ pinned to the commit its revision names now and checked (`inspect`): the repo mu
 `adapter_config.json` (a servable config, as a local folder's) and `adapter_model.safetensors`
 no larger than the size cap; pickle weights are refused. Engine replicas then download exactly
 that commit (`download`), into the Hugging Face cache of their node, and read it as any folder
-(`replicas/adapters/loader.py` checks the weights against the model). Only those two files are
+(`replicas/adapters/layout.py` checks the weights against the model). Only those two files are
 ever fetched.
 
 Access follows the Hugging Face environment of the process: `HF_ENDPOINT` (the hub's address),
@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from replicas.adapters.loader import (
+from replicas.adapters.peft_config import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterConfig,
@@ -67,8 +67,7 @@ class HubRef:
             _REPO_PART.fullmatch(p) and "--" not in p and ".." not in p for p in parts
         ):
             raise ValueError(
-                f"{self.repo_id!r} is not a hub repo id (org/name: letters, digits, '.', '_', "
-                "'-')"
+                f"{self.repo_id!r} is not a hub repo id (org/name: letters, digits, '.', '_', '-')"
             )
         if self.revision is not None and (
             not self.revision
@@ -201,7 +200,7 @@ def download(ref: HubRef, access: HubAccess) -> Path:
 def read_config(
     ref: HubRef, folder: Path, max_lora_rank: int, *, require_weights: bool = True
 ) -> AdapterConfig:
-    """`loader.read_adapter_config` of a hub adapter's cached folder, its messages naming the
+    """`read_adapter_config` of a hub adapter's cached folder, its messages naming the
     hub reference instead of the folder. Raises HubError (400)."""
     try:
         return read_adapter_config(folder, max_lora_rank, require_weights=require_weights)

@@ -38,8 +38,10 @@ import torch
 from replicas.adapters.fetcher import HubFetcher
 from replicas.adapters.host_cache import HostCache
 from replicas.adapters.hub import HubAccess, HubRef, download, scrub
-from replicas.adapters.loader import AdapterError, AdapterWeights, check_adapter_files
+from replicas.adapters.layout import check_adapter_files
+from replicas.adapters.loader import AdapterWeights
 from replicas.adapters.modes import loading_mode
+from replicas.adapters.peft_config import AdapterError
 from replicas.adapters.policy import READ_WORKERS, CopyBudget, ReadTurns
 from replicas.adapters.prefetcher import HINT_TTL_S, PrefetchQueue, prefetch_round  # noqa: F401
 from replicas.adapters.reader import AdapterReader, WeightsFromDisk
@@ -100,8 +102,10 @@ class AdapterManager:
             on_failure=self.queue.discard,
         )
         hub = hub if hub is not None else HubAccess()
-        self.fetcher = fetcher if fetcher is not None else HubFetcher(
-            functools.partial(download, access=hub), timeout_s=hub.timeout_s
+        self.fetcher = (
+            fetcher
+            if fetcher is not None
+            else HubFetcher(functools.partial(download, access=hub), timeout_s=hub.timeout_s)
         )
         self.uploader = Uploader(weights, self.stats, load_stream=self.mode.load_stream)
         self.budget = CopyBudget()

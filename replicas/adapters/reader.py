@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replicas.adapters.host_cache import HostCache
-from replicas.adapters.loader import AdapterError, AdapterFile, AdapterWeights, read_adapter_file
+from replicas.adapters.loader import AdapterFile, AdapterWeights, read_adapter_file
+from replicas.adapters.peft_config import AdapterError
 from replicas.adapters.policy import ReadTurns
 from replicas.adapters.stats import AdapterStats
 from replicas.models.spec import ModelSpec
@@ -60,8 +61,9 @@ class AdapterReader:
         self.turns = turns
         self._is_pinned = is_pinned
         self._on_failure = on_failure  # a read failed (not called for `fail`)
-        self._pool = ThreadPoolExecutor(max(turns.workers, READ_THREADS),
-                                        thread_name_prefix="lora-read")
+        self._pool = ThreadPoolExecutor(
+            max(turns.workers, READ_THREADS), thread_name_prefix="lora-read"
+        )
         self._reads: dict[str, Future[AdapterWeights]] = {}
         self._failed: dict[str, tuple[str, int]] = {}  # adapter -> (message, status)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from replicas.adapters.hub import HubRef, Location, location_of
-from replicas.adapters.loader import AdapterError, read_adapter_config
+from replicas.adapters.peft_config import AdapterError, read_adapter_config
 
 Source = Literal["config", "runtime", "adapter_root"]
 

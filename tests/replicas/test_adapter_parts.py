@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from replicas.adapters.host_cache import HostCache
-from replicas.adapters.loader import AdapterError
+from replicas.adapters.peft_config import AdapterError
 from replicas.adapters.policy import ReadTurns
 from replicas.adapters.reader import AdapterReader
 from replicas.adapters.registry import AdapterRegistry

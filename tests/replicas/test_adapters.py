@@ -8,13 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from replicas.adapters import loader, safetensors_file
 from replicas.adapters.host_cache import HostCache
-from replicas.adapters.loader import (
-    AdapterError,
-    check_adapter_files,
-    load_adapter,
-    read_adapter_config,
-)
+from replicas.adapters.layout import check_adapter_files
+from replicas.adapters.loader import load_adapter
+from replicas.adapters.peft_config import AdapterError, read_adapter_config
 from replicas.adapters.slot_pool import NoFreeSlot, SlotPool
 from replicas.engine import RequestRejected
 from replicas.models.spec import ModelSpec
@@ -101,15 +99,14 @@ class TestValidation:
     def test_a_file_larger_than_any_adapter_is_refused_unread(
         self, models, good_adapter, tmp_path, monkeypatch
     ):
-        from replicas.adapters import loader
-
         path = broken_copy(good_adapter, tmp_path, "huge")
         spec = ModelSpec.from_dir(models["llama"])
         limit = loader.max_file_bytes(spec, 16)
         with open(path / "adapter_model.safetensors", "r+b") as f:
             f.truncate(limit + 1)  # sparse: the header and weights, then a hole of zeros
         with monkeypatch.context() as patch:
-            patch.setattr(loader.np, "empty", None)  # reading it into memory would fail here
+            # reading it into memory would fail here
+            patch.setattr(safetensors_file.np, "empty", None)
             with pytest.raises(AdapterError, match="too large.*embeddings"):
                 load_adapter("t", path, spec, 16)
         with open(path / "adapter_model.safetensors", "r+b") as f:
@@ -119,13 +116,12 @@ class TestValidation:
 
     def test_a_file_read_in_ranges_gives_the_same_weights(self, models, good_adapter, monkeypatch):
         """Large files are read in ranges on several threads: the ranges must tile the file."""
-        from replicas.adapters import loader
-
         spec = ModelSpec.from_dir(models["llama"])
         want = load_adapter("g", good_adapter, spec, 16).modules
         size = (good_adapter / "adapter_model.safetensors").stat().st_size
-        monkeypatch.setattr(loader, "HOST_THREADS", 8)
-        monkeypatch.setattr(loader, "READ_CHUNK", size // 5 + 3)  # 5 ranges, the last short
+        monkeypatch.setattr(safetensors_file, "HOST_THREADS", 8)
+        # 5 ranges, the last short
+        monkeypatch.setattr(safetensors_file, "READ_CHUNK", size // 5 + 3)
         got = load_adapter("g", good_adapter, spec, 16).modules
         assert got.keys() == want.keys()
         for key, (a, b) in want.items():
@@ -358,12 +354,11 @@ class TestLoadTimeChecks:
     def test_a_bad_adapter_is_refused_at_load(
         self, models, good_adapter, tmp_path, kind, monkeypatch
     ):
-        from replicas.adapters import loader
-
         bad = damage(good_adapter, tmp_path / kind, kind)
         engine = make_engine(models["llama"])
         with monkeypatch.context() as patch:
-            patch.setattr(loader, "_read_bytes", None)  # reading tensor data would fail here
+            # reading tensor data would fail here
+            patch.setattr(safetensors_file, "_read_bytes", None)
             with pytest.raises(RequestRejected) as e:
                 engine.load_adapter("new", str(bad))
         assert e.value.status == 400
