@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,6 +197,28 @@ class TestValidateAdapterDir:
         with pytest.raises(AdapterError, match="pickle") as e:
             validate_adapter_dir(path, 16)
         assert e.value.status == 400
+
+    def test_the_ingress_checks_a_folder_without_torch(self, lora_model_dir, tmp_path):
+        """The ingress imports, and checks a folder's config and weights header, without
+        importing torch (the engine replicas' dependency, not the ingress's)."""
+        path = write_adapter(lora_model_dir, tmp_path / "a", rank=8, target_modules=("q_proj",))
+        bad = write_adapter(lora_model_dir, tmp_path / "b", rank=8, target_modules=("q_proj",))
+        (bad / "adapter_model.safetensors").write_bytes(b"\x08" + bytes(7) + b"not json")
+        code = f"""
+import sys
+import app.ingress
+from app.adapters import AdapterError, validate_adapter_dir
+assert validate_adapter_dir({str(path)!r}, 16).rank == 8
+try:
+    validate_adapter_dir({str(bad)!r}, 16)
+except AdapterError as e:
+    assert "unreadable" in str(e) and e.status == 400, e
+else:
+    raise AssertionError("a damaged weights file passed")
+assert "torch" not in sys.modules, "torch imported"
+"""
+        root = Path(__file__).resolve().parents[2]
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "gpu-llama3-8b.yaml"])
