@@ -2,7 +2,7 @@
 
 A thin facade over parts that each do one job, wired here for the engine:
 
-- `AdapterRegistry` (registry.py): names -> versions (folders); register, unregister, retired
+- `VersionRegistry` (registry.py): names -> versions (folders); register, unregister, retired
   versions. Everything below it, and the requests, go by a version's `key`: unloading a name
   frees it at once, a reload gets new weights under a new key, and the requests holding the old
   key finish on the old weights, whose slot and host memory go with the last of them
@@ -45,7 +45,7 @@ from replicas.adapters.peft_config import AdapterError
 from replicas.adapters.policy import READ_WORKERS, CopyBudget, ReadTurns
 from replicas.adapters.prefetcher import HINT_TTL_S, PrefetchQueue, prefetch_round  # noqa: F401
 from replicas.adapters.reader import AdapterReader, WeightsFromDisk
-from replicas.adapters.registry import AdapterRegistry, ServedAdapters
+from replicas.adapters.registry import ServedAdapters, VersionRegistry
 from replicas.adapters.slot_pool import SlotPool
 from replicas.adapters.stats import AdapterStats
 from replicas.adapters.uploader import SlotWeights, Uploader
@@ -84,7 +84,7 @@ class AdapterManager:
         self.mode = loading_mode(mode)
         self.spec = spec
         self.max_lora_rank = max_lora_rank
-        self.registry = AdapterRegistry(adapters, adapter_root, max_lora_rank, pinned)
+        self.registry = VersionRegistry(adapters, adapter_root, max_lora_rank, pinned)
         self.stats = AdapterStats()
         self.slots = SlotPool(weights.num_slots, eviction_policy)
         self.host: HostCache[AdapterWeights] = HostCache(

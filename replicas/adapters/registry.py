@@ -49,8 +49,9 @@ class ServedAdapters:
     unloaded: tuple[str, ...]  # sorted
 
 
-class AdapterRegistry:
-    """Only the engine thread calls into this object."""
+class VersionRegistry:
+    """An engine replica's names and versions (the ingress keeps its own map of names to
+    locations: `app.adapters.AdapterRegistry`). Only the engine thread calls into this object."""
 
     def __init__(
         self,

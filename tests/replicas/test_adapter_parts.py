@@ -13,7 +13,7 @@ from replicas.adapters.host_cache import HostCache
 from replicas.adapters.peft_config import AdapterError
 from replicas.adapters.policy import ReadTurns
 from replicas.adapters.reader import AdapterReader
-from replicas.adapters.registry import AdapterRegistry
+from replicas.adapters.registry import VersionRegistry
 from replicas.adapters.stats import AdapterStats
 from replicas.scheduler import AdapterLoadError
 from tests.factories import make_adapter
@@ -125,7 +125,7 @@ def adapter_root(models, tmp_path_factory):
 
 class TestRegistry:
     def test_names_resolve_to_registered_folders_then_to_the_root(self, adapter_root):
-        registry = AdapterRegistry({"x": str(adapter_root / "r1")}, str(adapter_root), 8)
+        registry = VersionRegistry({"x": str(adapter_root / "r1")}, str(adapter_root), 8)
         assert registry.resolve("x").path == adapter_root / "r1"
         assert registry.resolve("r2").path == adapter_root / "r2"
         assert registry.served().adapters == {"x": str(adapter_root / "r1")}  # root not listed
@@ -135,7 +135,7 @@ class TestRegistry:
             assert e.value.status == 404
 
     def test_unload_frees_the_name_at_once_and_a_reload_is_a_new_version(self, adapter_root):
-        registry = AdapterRegistry({"x": str(adapter_root / "r1")}, None, 8, pinned=("x",))
+        registry = VersionRegistry({"x": str(adapter_root / "r1")}, None, 8, pinned=("x",))
         old = registry.resolve("x")
         assert registry.is_pinned(old.key)
         registry.unregister("x")
@@ -157,7 +157,7 @@ class TestRegistry:
             registry.register("x", adapter_root / "r1")  # the live name is taken
 
     def test_keys_stay_unique_when_names_look_like_versions(self, adapter_root):
-        registry = AdapterRegistry({"x": str(adapter_root / "r1")}, None, 8)
+        registry = VersionRegistry({"x": str(adapter_root / "r1")}, None, 8)
         registry.unregister("x")
         second = registry.register("x", adapter_root / "r2")  # "x" still held by the old one
         third = registry.register(second.key, adapter_root / "r1")  # a name equal to that key
@@ -165,7 +165,7 @@ class TestRegistry:
         assert registry.resolve(second.key) == third
 
     def test_unloading_a_root_folder_hides_it_until_registered_again(self, adapter_root):
-        registry = AdapterRegistry({}, str(adapter_root), 8)
+        registry = VersionRegistry({}, str(adapter_root), 8)
         registry.unregister("r1")
         with pytest.raises(AdapterError):
             registry.resolve("r1")
@@ -177,7 +177,7 @@ class TestRegistry:
         assert registry.served().adapters == {"r1": str(adapter_root / "r1")}
 
     def test_a_rank_above_the_limit_is_refused_at_register(self, models, tmp_path):
-        registry = AdapterRegistry({}, None, max_lora_rank=4)
+        registry = VersionRegistry({}, None, max_lora_rank=4)
         path = make_adapter(models["llama"], tmp_path / "big", rank=8, target_modules=["q_proj"])
         with pytest.raises(AdapterError) as e:
             registry.register("big", path)
