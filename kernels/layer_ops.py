@@ -91,14 +91,15 @@ def torch_rotary(
     return _rotate(q, c, s), _rotate(k, c, s)
 
 
-BACKENDS: dict[str, LayerOps] = {
-    "torch": LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_and_mul, torch_rotary)
-}
+TORCH_LAYER_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_and_mul, torch_rotary)
 
 
 def get_layer_ops(name: str) -> LayerOps:
-    if name == "triton" and name not in BACKENDS:
-        import kernels.layer_ops_triton  # noqa: F401  (registers itself; needs triton)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown layer-ops backend {name!r}; known: {sorted(BACKENDS)}")
-    return BACKENDS[name]
+    """ "torch" (the reference, any device) or "triton" (one launch each; needs triton)."""
+    if name == "torch":
+        return TORCH_LAYER_OPS
+    if name == "triton":
+        from kernels.layer_ops_triton import TRITON_LAYER_OPS
+
+        return TRITON_LAYER_OPS
+    raise ValueError(f"unknown layer-ops backend {name!r}; known: torch, triton")

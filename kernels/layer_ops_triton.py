@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import CachedLaunch, cdiv, next_pow2
-from kernels.layer_ops import BACKENDS, LayerOps
+from kernels.layer_ops import LayerOps
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SILU_BLOCK = 1024  # output columns per program of silu_and_mul
@@ -195,5 +195,5 @@ def triton_rotary(
     return q, k
 
 
-BACKENDS["triton"] = LayerOps(triton_rms_norm, triton_add_rms_norm, triton_silu_and_mul,
-                              triton_rotary)
+TRITON_LAYER_OPS = LayerOps(triton_rms_norm, triton_add_rms_norm, triton_silu_and_mul,
+                            triton_rotary)

@@ -14,13 +14,13 @@ is r whole rows), with R = max_lora_rank; rows past an adapter's true rank are z
 backend may ignore them.
 
 h is [T, n*R] in x's dtype. Backends subclass `SgmvBackend` (`shrink` and `expand` with the
-signatures of the torch reference below; `apply`, the delta of one group, is expand of shrink) and
-register a constructor taking the tuning (kernels/sgmv_tuning.py) in `BACKENDS`.
+signatures of the torch reference below; `apply`, the delta of one group, is expand of shrink):
+`TorchSgmv` here, `TritonSgmv` in kernels/sgmv_triton.py, which takes the Triton kernels' tuning
+(kernels/sgmv_tuning.py). `get_backend` picks one by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,18 +112,32 @@ def torch_expand(
 
 class SgmvBackend:
     """A backend: `shrink` returns h, `expand` adds its delta to y, with the signatures of the
-    torch reference above. Backends register a constructor taking the tuning in `BACKENDS`."""
+    torch reference above."""
 
-    def shrink(self, x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch,
-               num_slices: int) -> torch.Tensor:
+    def shrink(
+        self, x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
+    ) -> torch.Tensor:
         raise NotImplementedError
 
-    def expand(self, h: torch.Tensor, b: torch.Tensor, batch: SgmvBatch, y: torch.Tensor,
-               out_offsets: tuple[int, ...]) -> None:
+    def expand(
+        self,
+        h: torch.Tensor,
+        b: torch.Tensor,
+        batch: SgmvBatch,
+        y: torch.Tensor,
+        out_offsets: tuple[int, ...],
+    ) -> None:
         raise NotImplementedError
 
-    def apply(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: SgmvBatch,
-              y: torch.Tensor, out_offsets: tuple[int, ...]) -> None:
+    def apply(
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        batch: SgmvBatch,
+        y: torch.Tensor,
+        out_offsets: tuple[int, ...],
+    ) -> None:
         """y += the LoRA delta of one group: x [T, in]; a [num_slots, n*R, in]; b [num_slots, R,
         sum(out_i)]. A shrink, then an expand."""
         self.expand(self.shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
@@ -138,9 +152,6 @@ class SgmvBackend:
 class TorchSgmv(SgmvBackend):
     """The pure-torch reference as a backend (no tuning)."""
 
-    def __init__(self, tuning: SgmvTuning | None = None) -> None:
-        del tuning
-
     def shrink(self, x, a, batch, num_slices):
         return torch_shrink(x, a, batch, num_slices)
 
@@ -148,13 +159,13 @@ class TorchSgmv(SgmvBackend):
         torch_expand(h, b, batch, y, out_offsets)
 
 
-BACKENDS: dict[str, Callable[[SgmvTuning], SgmvBackend]] = {"torch": TorchSgmv}
-
-
 def get_backend(name: str, tuning: SgmvTuning = DEFAULT_TUNING) -> SgmvBackend:
-    """The backend `name` under `tuning` (the Triton kernels' rows and launch switches)."""
-    if name == "triton" and name not in BACKENDS:
-        import kernels.sgmv_triton  # noqa: F401  (registers itself; needs triton)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown SGMV backend {name!r}; known: {sorted(BACKENDS)}")
-    return BACKENDS[name](tuning)
+    """ "torch" (the reference, any device) or "triton" (the kernels under `tuning`: their rows
+    and launch switches; needs triton)."""
+    if name == "torch":
+        return TorchSgmv()
+    if name == "triton":
+        from kernels.sgmv_triton import TritonSgmv
+
+        return TritonSgmv(tuning)
+    raise ValueError(f"unknown SGMV backend {name!r}; known: torch, triton")

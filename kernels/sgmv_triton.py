@@ -72,7 +72,7 @@ except ImportError:  # an older Triton: never launched with PDL, so these are ne
         pass
 
 from kernels.launch import CachedLaunch, cdiv, next_pow2
-from kernels.sgmv import BACKENDS, SgmvBackend, SgmvBatch
+from kernels.sgmv import SgmvBackend, SgmvBatch
 from kernels.sgmv_tuning import DEFAULT_TUNING, SgmvTuning
 
 MAX_SLICES = 4
@@ -742,6 +742,3 @@ def _check_batch(batch: SgmvBatch, num_tokens: int, device: torch.device) -> Non
     """What a launch adds to SgmvBatch's own checks: the batch fits x and lives beside it."""
     assert batch.num_tokens <= num_tokens, f"batch has {batch.num_tokens} tokens, x {num_tokens}"
     assert batch.seg_indptr.device == device, "metadata must be on the kernel's device"
-
-
-BACKENDS["triton"] = TritonSgmv

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBatch, AttentionFn, store_kv, torch_paged_attention
-from kernels.layer_ops import BACKENDS as LAYER_OPS
-from kernels.layer_ops import LayerOps, torch_rms_norm
+from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps, torch_rms_norm
 from kernels.sgmv import SgmvBatch
 from replicas.lora import LoraWeightPool
 from replicas.models.rope import RotaryEmbedding
@@ -114,7 +113,7 @@ class LlamaModel(nn.Module):
         spec: ModelSpec,
         max_positions: int,
         dtype: torch.dtype,
-        ops: LayerOps = LAYER_OPS["torch"],
+        ops: LayerOps = TORCH_LAYER_OPS,
     ) -> None:
         super().__init__()
         self.spec = spec

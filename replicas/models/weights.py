@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.layer_ops import BACKENDS as LAYER_OPS
-from kernels.layer_ops import LayerOps
+from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
 from replicas.models.llama import LlamaModel
 from replicas.models.spec import ModelSpec
 
@@ -35,7 +34,7 @@ def random_model(
     device: torch.device,
     max_positions: int,
     seed: int = 0,
-    ops: LayerOps = LAYER_OPS["torch"],
+    ops: LayerOps = TORCH_LAYER_OPS,
 ) -> LlamaModel:
     """A model of the right shapes with random weights: the same FLOPs and bytes as the real
     checkpoint, for benchmarks (load_format "dummy")."""
@@ -57,7 +56,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
-    ops: LayerOps = LAYER_OPS["torch"],
+    ops: LayerOps = TORCH_LAYER_OPS,
 ) -> LlamaModel:
     from safetensors import safe_open
 
