@@ -2,9 +2,8 @@
 
 Reading an adapter is memory-bound copying in numpy and torch calls that release the GIL: the
 file's bytes out of the page cache, then the slot image packed from them (see
-`LoraWeightPool.pack_file`). On one core of an H100 host that took about 26 ms to read and 35 ms
-to pack a rank-16 Llama-3-8B adapter (84 MB). Split by file range and by layer over a few threads,
-the same work runs at the host's memory bandwidth instead of one core's.
+`LoraWeightPool.pack_file`). Split by file range and by layer over a few threads, that work runs
+at the host's memory bandwidth instead of one core's (times in docs/perf/adapter_churn.md).
 
 `parallel` is called from the adapter manager's read workers; its tasks never submit tasks of
 their own, so the shared pool cannot deadlock.

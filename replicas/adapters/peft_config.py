@@ -1,9 +1,11 @@
 """PEFT LoRA adapter configs: `adapter_config.json` read, checked and matched as PEFT matches it.
 
 `read_adapter_config` checks a folder cheaply (the folder, its JSON, and which weights files sit
-beside it) and answers what the config puts LoRA on (`AdapterConfig.applies_to`), at which rank
-and scaling. Plain Python: no torch, so the ingress checks folders without the engine's imports.
-Pickle weights (`adapter_model.bin`) are refused: loading them can run arbitrary code.
+beside it: what the engine's `VersionRegistry` checks when a name is first used) and answers what
+the config puts LoRA on (`AdapterConfig.applies_to`), at which rank and scaling; the weights file
+is checked against it by replicas/adapters/layout.py. Plain Python: no torch, so the ingress
+checks folders without the engine's imports. Pickle weights (`adapter_model.bin`) are refused:
+loading them can run arbitrary code.
 """
 
 from __future__ import annotations

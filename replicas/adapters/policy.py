@@ -13,10 +13,9 @@ under them. The step costs are learnt from the steps the engine runs (`observe_s
 
 `ReadTurns` -- disk reads take turns. One read already spreads its file ranges and layers over
 the host threads (adapters/host_threads.py), and reads at once share the host's memory bandwidth
-(on an H100 host four rank-16 reads took 117 ms each, one alone 32 ms:
-benchmarks/bench_adapter_read), so more readers only delay the soonest need. A read running
-longer than `stall_s` no longer holds its turn, so a file on a hung file system does not stop
-every other adapter's read.
+(docs/perf/adapter_churn.md), so more readers only delay the soonest need. A read running longer
+than `stall_s` no longer holds its turn, so a file on a hung file system does not stop every
+other adapter's read.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ STEP_COST_EMA = 0.2  # weight of the newest step in the step-cost averages
 # A step's prefill tokens teach the per-token cost only from this many on: below it the step's
 # fixed costs swamp them.
 PREFILL_COST_MIN_TOKENS = 64
-COPY_BYTES_PER_S = 50e9  # pinned host -> GPU over PCIe 5 (about 55 GB/s measured on an H100)
+# Pinned host -> GPU over PCIe 5, a little under the rate copies reach (docs/perf/adapter_churn.md).
+COPY_BYTES_PER_S = 50e9
 READ_WORKERS = 1  # disk reads running at once
 READ_STALL_S = 5.0
 
