@@ -22,8 +22,21 @@ from dataclasses import dataclass
 
 import torch
 
-LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
-TINY = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
+from synthetic import presets
+
+
+def attention_shape(config: dict, block_size: int) -> dict:
+    """Query heads, KV heads and head size of a model's config.json, with a KV block size."""
+    return dict(
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        block_size=block_size,
+    )
+
+
+LLAMA3_8B = attention_shape(presets.LLAMA3_8B, block_size=16)
+TINY = attention_shape(presets.TINY, block_size=4)
 
 
 @dataclass
@@ -43,7 +56,11 @@ class Layers:
 
 
 def make_layers(
-    ctx_lens: list[int], width: int, count: int, shape: dict, dtype: torch.dtype,
+    ctx_lens: list[int],
+    width: int,
+    count: int,
+    shape: dict,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> Layers:
     from kernels.attention import AttentionBatch
@@ -98,8 +115,9 @@ class TritonDecode:
 
     def __call__(self, q, k, v, out=None):
         lay = self.layers
-        return self.fn(q, k, v, lay.block_table, lay.batch.ctx_lens_t, q.shape[-1] ** -0.5,
-                       out=out, **self.kw)
+        return self.fn(
+            q, k, v, lay.block_table, lay.batch.ctx_lens_t, q.shape[-1] ** -0.5, out=out, **self.kw
+        )
 
 
 class TorchReference:
@@ -138,17 +156,30 @@ def run_gpu(args: argparse.Namespace) -> None:
     rows.append(measure(straggler, full_width, bw, args, with_torch=False))
     if args.out:
         path = write_results(
-            args.out, "attention",
+            args.out,
+            "attention",
             f"Paged decode attention, Llama-3-8B shapes (32/8 heads, D 128, bf16, block 16), "
             f"batch {args.batch}",
             "µs per layer under CUDA-graph replay / floor; floor = KV bytes read / HBM bandwidth; "
             f"table_width {full_width} is the engine's graph shape for max_model_len "
             f"{args.max_model_len}",
-            ["context", "table_width", "grid", "triton_us", "floor_us", "ratio_to_floor",
-             "torch_us", "torch_mode", "speedup_vs_torch"],
+            [
+                "context",
+                "table_width",
+                "grid",
+                "triton_us",
+                "floor_us",
+                "ratio_to_floor",
+                "torch_us",
+                "torch_mode",
+                "speedup_vs_torch",
+            ],
             rows,
-            {"hbm_bandwidth_TBps": round(bw / 1e12, 3), "batch": args.batch,
-             "layers_rotated": args.layers},
+            {
+                "hbm_bandwidth_TBps": round(bw / 1e12, 3),
+                "batch": args.batch,
+                "layers_rotated": args.layers,
+            },
         )
         print(f"wrote {path}")
 
@@ -170,11 +201,15 @@ def measure(
     us = graph_us_per_layer(layers, triton_fn)
     uniform = len(set(ctx_lens)) == 1
     row = {
-        "context": ctx_lens[0] if uniform else f"{len(ctx_lens) - 1} x {ctx_lens[0]} + 1 x "
-        f"{ctx_lens[-1]}",
+        "context": ctx_lens[0]
+        if uniform
+        else f"{len(ctx_lens) - 1} x {ctx_lens[0]} + 1 x {ctx_lens[-1]}",
         "table_width": width,
         "grid": f"({len(ctx_lens)} + {extra}) x {hkv}",
-        "triton_us": us, "floor_us": floor_us, "ratio_to_floor": us / floor_us, "rel_err": err,
+        "triton_us": us,
+        "floor_us": floor_us,
+        "ratio_to_floor": us / floor_us,
+        "rel_err": err,
     }
     if with_torch:
         row["torch_us"], row["torch_mode"] = time_reference(layers)
@@ -209,11 +244,18 @@ def sweep(layers: Layers, floor_us: float, tiles: bool) -> None:
     from kernels.attention_triton import DECODE_TILING
 
     if tiles:
-        tilings = [replace(DECODE_TILING, block_n=n, num_warps=w, num_stages=s)
-                   for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+        tilings = [
+            replace(DECODE_TILING, block_n=n, num_warps=w, num_stages=s)
+            for n in (32, 64, 128)
+            for w in (4, 8)
+            for s in (2, 3)
+        ]
     else:
-        tilings = [replace(DECODE_TILING, programs_per_sm=p, min_split_tokens=m)
-                   for p in (1, 2, 4, 8, 16) for m in (128, 256, 512)]
+        tilings = [
+            replace(DECODE_TILING, programs_per_sm=p, min_split_tokens=m)
+            for p in (1, 2, 4, 8, 16)
+            for m in (128, 256, 512)
+        ]
     print(" ".join(f.name for f in fields(DECODE_TILING)), "us", "x_floor")
     for tiling in tilings:
         us = graph_us_per_layer(layers, TritonDecode(layers, tiling=tiling))
@@ -233,8 +275,15 @@ def run_smoke(args: argparse.Namespace) -> None:
         k, v = layers.caches[0]
         ref = TorchReference(layers)(layers.q, k, v)
         start = time.perf_counter()
-        out = paged_decode_attention(layers.q, k, v, layers.block_table, layers.batch.ctx_lens_t,
-                                     TINY["head_dim"] ** -0.5, tiling=tiling)
+        out = paged_decode_attention(
+            layers.q,
+            k,
+            v,
+            layers.block_table,
+            layers.batch.ctx_lens_t,
+            TINY["head_dim"] ** -0.5,
+            tiling=tiling,
+        )
         ms = (time.perf_counter() - start) * 1e3
         err = relative_error(out, ref)
         assert err < 1e-5, f"triton decode differs from the reference: {err:.2e}"
@@ -243,22 +292,34 @@ def run_smoke(args: argparse.Namespace) -> None:
     if args.out:
         from benchmarks.common import write_results
 
-        write_results(args.out, "attention_smoke", "Paged decode attention, smoke (CPU, "
-                      "Triton interpreter)", "correctness only", ["context", "interpreter_ms",
-                                                                  "rel_err"], rows)
+        write_results(
+            args.out,
+            "attention_smoke",
+            "Paged decode attention, smoke (CPU, Triton interpreter)",
+            "correctness only",
+            ["context", "interpreter_ms", "rel_err"],
+            rows,
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--max-model-len", type=int, default=8192,
-                    help="also time a block table as wide as this (the engine's graph shape)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=8192,
+        help="also time a block table as wide as this (the engine's graph shape)",
+    )
     ap.add_argument("--layers", type=int, default=4, help="distinct caches rotated per replay")
     ap.add_argument("--sweep", action="store_true", help="time split counts and tile shapes")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
-    ap.add_argument("--out", default=None,
-                    help="results folder (default benchmarks/results on GPU; none in --smoke)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default benchmarks/results on GPU; none in --smoke)",
+    )
     args = ap.parse_args()
     from benchmarks.common import run_smoke_or_gpu
 

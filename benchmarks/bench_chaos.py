@@ -521,10 +521,12 @@ def main(argv: list[str] | None = None) -> Path:
     from ray import serve
 
     from app.main import CONTROLLER_OPTIONS, build_app
-    from benchmarks.bench_churn import TINY, write_fleet
-    from benchmarks.bench_router_serve import free_port, wait_healthy, write_model
+    from benchmarks.bench_router_serve import free_port, wait_healthy
     from benchmarks.common import append_table, write_results
     from replicas.models.spec import ModelSpec
+    from synthetic.adapters import write_fleet
+    from synthetic.models import write_model
+    from synthetic.presets import TINY
 
     args = parse_args(argv)
     ingress = args.ingress or (4 if args.soak else 1)

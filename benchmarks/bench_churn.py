@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -28,93 +27,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from benchmarks.common import write_results
 from replicas.config import EngineConfig
 from replicas.engine import Engine
-from replicas.models.spec import LORA_TARGETS, ModelSpec
+from replicas.models.spec import ModelSpec
 from replicas.request import Request, SamplingParams
-
-LLAMA3_8B = {
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 8192,
-    "eos_token_id": 128001,
-}
-# `--smoke`: the same code on CPU with a tiny model, to check the benchmark itself runs.
-TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "eos_token_id": 1}
-DISTINCT_FILES = 4  # adapter folders share this many weight files (symlinks) to bound disk use
-
-
-def write_fleet(root: Path, spec: ModelSpec, names: list[str], rank: int) -> dict[str, str]:
-    files = []
-    for k in range(min(DISTINCT_FILES, len(names))):
-        g = torch.Generator().manual_seed(k)
-        tensors = {}
-        for layer in range(spec.num_layers):
-            for target in LORA_TARGETS:
-                d_in, d_out = spec.lora_dims(target)
-                parent = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                key = f"base_model.model.model.layers.{layer}.{parent}.{target}"
-                tensors[f"{key}.lora_A.weight"] = (
-                    torch.randn(rank, d_in, generator=g) * 0.01
-                ).bfloat16()
-                tensors[f"{key}.lora_B.weight"] = (
-                    torch.randn(d_out, rank, generator=g) * 0.01
-                ).bfloat16()
-        path = root / f"weights-{k}.safetensors"
-        save_file(tensors, str(path))
-        files.append(path)
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": list(LORA_TARGETS),
-        "bias": "none",
-    }
-    out = {}
-    for i, name in enumerate(names):
-        folder = root / name
-        folder.mkdir()
-        (folder / "adapter_config.json").write_text(json.dumps(config))
-        os.symlink(files[i % len(files)], folder / "adapter_model.safetensors")
-        out[name] = str(folder)
-    return out
-
-
-def popularity(kind: str, n: int, count: int, rng: random.Random) -> list[int]:
-    if kind == "distinct":
-        return [i % n for i in range(count)]
-    if kind == "uniform":
-        return [rng.randrange(n) for _ in range(count)]
-    if kind == "skewed":  # geometric over adapter ranks
-        weights = [0.7**i for i in range(n)]
-        return rng.choices(range(n), weights=weights, k=count)
-    raise ValueError(kind)
+from sim.calibrate import copy_bandwidth
+from synthetic.adapters import write_fleet
+from synthetic.presets import LLAMA3_8B, TINY
+from workloads.churn import churn_requests
 
 
 def workload(args, names: list[str], kind: str):
-    rng = random.Random(args.seed)
-    t, out = 0.0, []
-    picks = popularity(kind, len(names), args.num_requests, rng)
-    for i in range(args.num_requests):
-        t += rng.expovariate(args.rate)
-        n_in = rng.randint(*args.input_len)
-        prompt = [rng.randrange(2, args.vocab_size) for _ in range(n_in)]
-        out.append((t, names[picks[i]], prompt, rng.randint(*args.output_len)))
-    return out
+    return churn_requests(
+        names,
+        kind,
+        num_requests=args.num_requests,
+        rate=args.rate,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+    )
 
 
 def step_split(timings) -> dict:
@@ -123,8 +58,10 @@ def step_split(timings) -> dict:
     phase stalled on the host; one longer only in total waited on the device."""
     prefill = [t for t in timings if t.num_tokens > t.num_seqs]
     out = {}
-    for label, group in (("prefill", [t for t in prefill if not t.gated]),
-                         ("gated", [t for t in prefill if t.gated])):
+    for label, group in (
+        ("prefill", [t for t in prefill if not t.gated]),
+        ("gated", [t for t in prefill if t.gated]),
+    ):
         out[f"{label}_steps"] = len(group)
         for field in ("launch", "step"):
             values = [t.launch_s if field == "launch" else t.total_s for t in group]
@@ -178,12 +115,15 @@ def run(engine: Engine, requests) -> dict:
     e2e = [last[r] - arrival[r] for r in last]
     queued = [r.queue_s for r in added if r.queue_s is not None]
     # admission -> first token: the admitting step (and any chunked prefill), apart from queueing
-    admit = [first[r.request_id] - r.admitted_at for r in added
-             if r.request_id in first and r.admitted_at is not None]
+    admit = [
+        first[r.request_id] - r.admitted_at
+        for r in added
+        if r.request_id in first and r.admitted_at is not None
+    ]
     after = engine.stats()
     reads = after.adapter_disk_reads - before.adapter_disk_reads
     window = after.adapter_read_seconds
-    read_seconds = window[len(window) - min(reads, len(window)):]
+    read_seconds = window[len(window) - min(reads, len(window)) :]
     return {
         "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
         # arrival -> admission: TTFT less this is the admitting step and any chunked prefill
@@ -231,50 +171,21 @@ def warm_up(engine: Engine, names: list[str], args) -> None:
     what happens during it)."""
     rng = random.Random(args.seed + 1)
     burst = min(64, 4 * args.slots)
-    lengths = [args.input_len[0], args.input_len[1], *(rng.randint(*args.input_len)
-                                                      for _ in range(burst))]
+    lengths = [
+        args.input_len[0],
+        args.input_len[1],
+        *(rng.randint(*args.input_len) for _ in range(burst)),
+    ]
     requests = [
-        (0.0 if i < burst else 0.05 * (i - burst), names[i % len(names)],
-         [rng.randrange(2, args.vocab_size) for _ in range(n)], 4)
+        (
+            0.0 if i < burst else 0.05 * (i - burst),
+            names[i % len(names)],
+            [rng.randrange(2, args.vocab_size) for _ in range(n)],
+            4,
+        )
         for i, n in enumerate(lengths + lengths[:8])
     ]
     run(engine, requests)
-
-
-def copy_bandwidth(engine: Engine, adapter: str) -> dict:
-    """Host->GPU adapter write on the load stream vs a plain pinned copy of the same bytes."""
-    engine.preload_adapter(adapter)
-    weights = engine.adapters.host.peek(adapter)
-    pool = engine.runner.lora_pool
-    stream = torch.cuda.Stream()
-    slot = pool.num_slots - 1
-    for _ in range(2):
-        pool.write(slot, weights, stream)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    reps = 5
-    for _ in range(reps):
-        events = pool.write(slot, weights, stream)
-    events[-1].synchronize()
-    write_s = (time.perf_counter() - t0) / reps
-    src = torch.empty(weights.nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(weights.nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    plain_s = (time.perf_counter() - t0) / reps
-    return {
-        "adapter_MB": weights.nbytes / 1e6,
-        "write_GBps": weights.nbytes / write_s / 1e9,
-        "pinned_copy_GBps": weights.nbytes / plain_s / 1e9,
-        "ratio": plain_s / write_s,
-        # one adapter's write: a request whose adapter is cold on arrival, with no hint ahead of
-        # it, waits at least this long for its first token under any loading scheme
-        "write_ms": write_s * 1e3,
-    }
 
 
 def parse_published(text: str | None) -> tuple[str, dict[str, float]] | None:
@@ -393,9 +304,12 @@ def main() -> None:
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the code")
-    ap.add_argument("--profile-host", action="store_true",
-                    help="profile each cell and append its longest host calls (CUDA runtime, "
-                         "aten) to <name>_host_calls.txt: finds host waits on adapter copies")
+    ap.add_argument(
+        "--profile-host",
+        action="store_true",
+        help="profile each cell and append its longest host calls (CUDA runtime, "
+        "aten) to <name>_host_calls.txt: finds host waits on adapter copies",
+    )
     ap.add_argument(
         "--published",
         default=None,
@@ -435,8 +349,9 @@ def main() -> None:
         )
 
     kinds = args.popularity.split(",")
-    reserves = ([float(r) for r in args.kv_reserve_ratios.split(",")]
-                if args.kv_reserve_ratios else [None])
+    reserves = (
+        [float(r) for r in args.kv_reserve_ratios.split(",")] if args.kv_reserve_ratios else [None]
+    )
     configs = [(m, args.slots, r) for m in args.modes.split(",") for r in reserves]
     if args.resident:
         configs.append(("resident", args.num_adapters, None))

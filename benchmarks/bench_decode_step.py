@@ -22,23 +22,12 @@ from replicas.flat_step import FlatStep
 from replicas.kv_cache import blocks_for
 from replicas.lora import LORA_GROUPS, LoraWeightPool
 from replicas.models.llama import StepContext
-from replicas.models.spec import ModelSpec, RopeSpec
+from replicas.models.spec import ModelSpec
 from replicas.models.weights import random_model
 from replicas.staging import HostStaging
+from synthetic import presets
 
-LLAMA3_8B = ModelSpec(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope=RopeSpec(theta=500000.0),
-    max_position_embeddings=8192,
-)
+LLAMA3_8B = ModelSpec.from_dict(presets.LLAMA3_8B)
 
 
 def fill_adapters(pool: LoraWeightPool, rank: int) -> None:
@@ -86,10 +75,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--profile", action="store_true",
-                    help="also write the per-kernel GPU time of one eager step (profile.txt)")
-    ap.add_argument("--layer-ops", default="triton", choices=["triton", "torch"],
-                    help="norms, activation and rotary: fused Triton kernels or torch ops")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write the per-kernel GPU time of one eager step (profile.txt)",
+    )
+    ap.add_argument(
+        "--layer-ops",
+        default="triton",
+        choices=["triton", "torch"],
+        help="norms, activation and rotary: fused Triton kernels or torch ops",
+    )
     ap.add_argument("--triton-only", action="store_true", help="skip the torch-attention rows")
     args = ap.parse_args()
     spec, B, ctx, bs = LLAMA3_8B, args.batch, args.context, 16
@@ -161,8 +157,16 @@ def main() -> None:
             def graphed(seg_lens=seg_lens, seg_slots=seg_slots, graphs=graphs):
                 stage.reset()
                 with torch.inference_mode():
-                    step = FlatStep(ids, positions, slot_mapping, list(range(B + 1)), ctx_lens,
-                                    tables, seg_lens, seg_slots)
+                    step = FlatStep(
+                        ids,
+                        positions,
+                        slot_mapping,
+                        list(range(B + 1)),
+                        ctx_lens,
+                        tables,
+                        seg_lens,
+                        seg_slots,
+                    )
                     h = graphs.run(stage, step)
                     return model.logits(h)
 

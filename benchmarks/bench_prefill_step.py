@@ -31,12 +31,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.common import hbm_bandwidth, time_cuda, write_results
 from replicas.config import EngineConfig
 from replicas.engine import Engine
 from replicas.models.spec import ModelSpec
 from replicas.request import Request, SamplingParams
+from synthetic.adapters import write_fleet
+from synthetic.presets import LLAMA3_8B, TINY
 
 
 def matmul_rate(n: int = 8192) -> float:
@@ -74,10 +75,12 @@ def profile_step(engine, tokens: int, adapter: str | None, rng, out: Path) -> fl
     averages = prof.key_averages()
     text = []
     if torch.cuda.is_available():
-        text.append(averages.table(sort_by="self_cuda_time_total", row_limit=25,
-                                   max_name_column_width=60))
-    text.append(averages.table(sort_by="self_cpu_time_total", row_limit=25,
-                               max_name_column_width=60))
+        text.append(
+            averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+        )
+    text.append(
+        averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    )
     out.mkdir(parents=True, exist_ok=True)
     name = f"prefill_profile_{tokens}_{adapter or 'base'}.txt"
     (out / name).write_text("\n\n".join(text))
@@ -116,12 +119,20 @@ def main() -> None:
     (root / "model" / "config.json").write_text(json.dumps(config))
     spec = ModelSpec.from_dir(root / "model")
     fleet = write_fleet(root, spec, ["lora-0"], args.rank)
-    engine = Engine(EngineConfig(
-        model=str(root / "model"), load_format="dummy", device=device,
-        max_loras_per_batch=1, max_lora_rank=args.rank, adapters=tuple(fleet.items()),
-        num_kv_blocks=2 * (max(sizes) // 16 + 2), max_num_seqs=8,
-        max_num_batched_tokens=max(sizes), max_model_len=max(sizes) + 16,
-    ))
+    engine = Engine(
+        EngineConfig(
+            model=str(root / "model"),
+            load_format="dummy",
+            device=device,
+            max_loras_per_batch=1,
+            max_lora_rank=args.rank,
+            adapters=tuple(fleet.items()),
+            num_kv_blocks=2 * (max(sizes) // 16 + 2),
+            max_num_seqs=8,
+            max_num_batched_tokens=max(sizes),
+            max_model_len=max(sizes) + 16,
+        )
+    )
     params = sum(p.numel() for p in engine.runner.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     rate = bandwidth = None
@@ -142,8 +153,12 @@ def main() -> None:
                 profiler.disable()
                 write_host_profile(profiler, Path(args.out), tokens, adapter)
             step_ms = 1000 * statistics.median(seconds)
-            row = {"tokens": tokens, "adapter": f"rank {args.rank}" if adapter else "none",
-                   "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1000)}
+            row = {
+                "tokens": tokens,
+                "adapter": f"rank {args.rank}" if adapter else "none",
+                "step_ms": step_ms,
+                "tokens_per_s": tokens / (step_ms / 1000),
+            }
             graphs = engine.runner.prefill_graphs
             if graphs is not None and graphs.bucket_for(tokens):  # the same step run eagerly
                 engine.runner.prefill_graphs = None
@@ -160,16 +175,29 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     write_results(
-        args.out, "prefill_step",
-        "Prefill step, one request, Llama-3-8B shape" + (" (smoke: tiny model, CPU)"
-                                                         if args.smoke else ""),
+        args.out,
+        "prefill_step",
+        "Prefill step, one request, Llama-3-8B shape"
+        + (" (smoke: tiny model, CPU)" if args.smoke else ""),
         "step time against max(2 x params x tokens / measured bf16 GEMM rate, weight bytes / "
         "measured HBM bandwidth); graph-replayed steps against the same step run eagerly",
-        ["tokens", "adapter", "step_ms", "gpu_busy_ms", "floor_ms", "ratio_to_floor",
-         "tokens_per_s", "eager_ms", "eager_vs_graphs"],
+        [
+            "tokens",
+            "adapter",
+            "step_ms",
+            "gpu_busy_ms",
+            "floor_ms",
+            "ratio_to_floor",
+            "tokens_per_s",
+            "eager_ms",
+            "eager_vs_graphs",
+        ],
         rows,
-        {"gemm_TFLOPs": rate and rate / 1e12, "hbm_TBps": bandwidth and bandwidth / 1e12,
-         "params": params},
+        {
+            "gemm_TFLOPs": rate and rate / 1e12,
+            "hbm_TBps": bandwidth and bandwidth / 1e12,
+            "params": params,
+        },
     )
 
 

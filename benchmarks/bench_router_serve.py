@@ -49,11 +49,13 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.common import device_name, write_results
 from benchmarks.loadgen import LengthRange, LoadConfig, OpenAIClient, RunReport, run_benchmark
 from benchmarks.loadgen.runner import warm_up
 from replicas.models.spec import ModelSpec
+from synthetic.adapters import write_fleet
+from synthetic.models import write_model
+from synthetic.presets import LLAMA3_8B, TINY
 from workloads.requests import RequestSpec, workload_digest
 from workloads.router_cell import BASE_MODEL, adapter_names, cell_requests
 
@@ -80,26 +82,6 @@ ROUTERS = (
     RouterSetup("pow2", "pow2", False),
 )
 BASELINE = "pow2"
-
-
-# ---------------------------------------------------------------------------------------------
-# Model and adapters
-
-
-def write_model(root: Path, model_config: Mapping[str, Any]) -> Path:
-    """A model folder the app can serve with `load_format: dummy`: config.json and a tokenizer
-    for the whole vocabulary. The tokenizer is the embedded demo's byte-level one (prompts are
-    token ids below 256, valid for it) plus one plain word per id above it, so that whatever id
-    the random weights pick decodes to text and streams as a chunk of its own."""
-    from app.demo import build_byte_tokenizer, save_tokenizer
-
-    tokenizer = build_byte_tokenizer()
-    tokenizer.add_tokens([f" x{i}" for i in range(len(tokenizer), model_config["vocab_size"])])
-    model_dir = root / "model"
-    model_dir.mkdir(parents=True)
-    (model_dir / "config.json").write_text(json.dumps(dict(model_config)))
-    save_tokenizer(tokenizer, model_dir)
-    return model_dir
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,8 +68,7 @@ import torch
 import yaml
 
 from app.config import AppArgs
-from benchmarks.bench_churn import TINY, write_fleet
-from benchmarks.bench_router_serve import adapter_names, add_run_options, write_model
+from benchmarks.bench_router_serve import add_run_options
 from benchmarks.common import device_name
 from benchmarks.loadgen import RequestSpec, summarize
 from benchmarks.serve_engine import drive
@@ -96,7 +95,11 @@ from benchmarks.serve_workloads import (
     warmup_specs,
 )
 from replicas.models.spec import ModelSpec
+from synthetic.adapters import write_fleet
+from synthetic.models import write_model
+from synthetic.presets import TINY
 from workloads.requests import workload_digest
+from workloads.router_cell import adapter_names
 
 # The H200 step calibration `python -m sim.calibrate` measured (Llama-3-8B shapes, rank 16).
 CALIBRATION = Path(__file__).parent / "results" / "sim_calibration.json"

@@ -32,14 +32,22 @@ from dataclasses import dataclass
 
 import torch
 
-# group -> (input width, output widths of the fused slices)
-LLAMA3_8B = {
-    "qkv": (4096, (4096, 1024, 1024)),
-    "o": (4096, (4096,)),
-    "gate_up": (4096, (14336, 14336)),
-    "down": (14336, (4096,)),
-}
-TINY = {"qkv": (64, (64, 16, 16)), "o": (64, (64,)), "gate_up": (64, (96, 96)), "down": (96, (64,))}
+from replicas.lora import LORA_GROUPS
+from replicas.models.spec import ModelSpec
+from synthetic import presets
+
+
+def lora_group_shapes(config: dict) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """group -> (input width, output widths of the fused slices) of a model's config.json."""
+    spec = ModelSpec.from_dict(config)
+    return {
+        group: (spec.lora_dims(targets[0])[0], tuple(spec.lora_dims(t)[1] for t in targets))
+        for group, targets in LORA_GROUPS.items()
+    }
+
+
+LLAMA3_8B = lora_group_shapes(presets.LLAMA3_8B)  # qkv: 4096 -> (4096, 1024, 1024), ...
+TINY = lora_group_shapes(presets.TINY)
 MIXED_RANKS = (8, 16, 32, 64)
 L2_MULTIPLE = 4  # rotate enough layers that their weights are this many times the L2 size
 MAX_LAYERS = 128
@@ -68,8 +76,9 @@ class Case:
 # A skewed decode batch: a few popular adapters with several requests each beside many with one
 SKEWED_SEGMENTS = (16, 8, 4, 4, 2, 2, 2, 2) + (1,) * 24
 SKEWED = Case("decode", SKEWED_SEGMENTS, (16,) * 32, "16")
-SKEWED_MIXED = Case("decode", SKEWED_SEGMENTS, tuple(MIXED_RANKS[i % 4] for i in range(32)),
-                    "mixed")
+SKEWED_MIXED = Case(
+    "decode", SKEWED_SEGMENTS, tuple(MIXED_RANKS[i % 4] for i in range(32)), "mixed"
+)
 
 
 def cases(only: str | None) -> list[Case]:
@@ -175,8 +184,9 @@ def shrink_layer(p: Problem, layer: int, groups=None) -> None:
 
 def layer0_h(p: Problem) -> dict:
     """Each group's h from layer 0's A: the input `expand_layer` reads."""
-    return {g: p.sgmv.shrink(p.x[g], p.weights[0][g][0], p.batch, len(p.shapes[g][1]))
-            for g in p.shapes}
+    return {
+        g: p.sgmv.shrink(p.x[g], p.weights[0][g][0], p.batch, len(p.shapes[g][1])) for g in p.shapes
+    }
 
 
 def expand_layer(p: Problem, layer: int, groups=None) -> None:
@@ -275,8 +285,10 @@ def measure(case: Case, bw: float, args: argparse.Namespace) -> dict:
     if args.breakdown:  # per group: (shrink alone, expand alone)
         p.h = layer0_h(p)
         row["groups_us"] = {
-            g: (round(graph_us_per_layer(p, shrink_layer, [g]), 2),
-                round(graph_us_per_layer(p, expand_layer, [g]), 2))
+            g: (
+                round(graph_us_per_layer(p, shrink_layer, [g]), 2),
+                round(graph_us_per_layer(p, expand_layer, [g]), 2),
+            )
             for g in p.shapes
         }
     print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
@@ -316,7 +328,6 @@ EXTRA = [  # --cases 6 and 7: many tokens over few adapters, one tile per 16
 ]
 
 
-
 def residency(args: argparse.Namespace) -> None:
     """For the cases of `--cases`: a layer, its shrinks alone and its expands alone with
     the layers' weights rotating past L2 (as measured) and with every layer the same tensors
@@ -329,39 +340,56 @@ def residency(args: argparse.Namespace) -> None:
     rows = []
     for case in ((QUICK + EXTRA)[i] for i in args.cases):
         layers = layers_for(case, LLAMA3_8B, device)
-        row = {"phase": case.phase, "tokens": case.num_tokens, "adapters": case.num_adapters,
-               "ranks": case.rank_label, "weights_MB": weight_bytes(case, LLAMA3_8B) / 1e6}
+        row = {
+            "phase": case.phase,
+            "tokens": case.num_tokens,
+            "adapters": case.num_adapters,
+            "ranks": case.rank_label,
+            "weights_MB": weight_bytes(case, LLAMA3_8B) / 1e6,
+        }
         for weights in ("rotating", "resident"):
             p = make_problem(case, LLAMA3_8B, layers, torch.bfloat16, device)
             if weights == "resident":
                 p.weights = [p.weights[0]] * layers
             p.h = layer0_h(p)
-            for part, fn in (("layer", sgmv_layer), ("shrinks", shrink_layer),
-                             ("expands", expand_layer)):
+            for part, fn in (
+                ("layer", sgmv_layer),
+                ("shrinks", shrink_layer),
+                ("expands", expand_layer),
+            ):
                 row[f"{part}_{weights}_us"] = graph_us_per_layer(p, fn)
             del p
         row["resident_over_rotating"] = row["layer_resident_us"] / row["layer_rotating_us"]
         rows.append(row)
-        print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
-              flush=True)
+        print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         torch.cuda.empty_cache()
     path = write_results(
-        args.out, "sgmv_residency",
+        args.out,
+        "sgmv_residency",
         "SGMV layers with their weights rotating past L2 and L2-resident (CUDA-graph replay)",
         "µs per layer (all seven projections, bf16), and its shrinks and expands alone, with "
         "each layer's weights fresh (rotating past L2, as bench_sgmv measures) against every "
         "layer on the same weights (L2-resident) in the same run; resident_over_rotating = the "
         "layer's resident time / its rotating time (1.0: the weights' reads cost nothing); a "
         "layer's weights past the L2's size (l2_MB) cannot stay resident",
-        ["phase", "tokens", "adapters", "ranks", "weights_MB", "layer_rotating_us",
-         "layer_resident_us", "resident_over_rotating", "shrinks_rotating_us",
-         "shrinks_resident_us", "expands_rotating_us", "expands_resident_us"],
+        [
+            "phase",
+            "tokens",
+            "adapters",
+            "ranks",
+            "weights_MB",
+            "layer_rotating_us",
+            "layer_resident_us",
+            "resident_over_rotating",
+            "shrinks_rotating_us",
+            "shrinks_resident_us",
+            "expands_rotating_us",
+            "expands_resident_us",
+        ],
         rows,
         {"l2_MB": torch.cuda.get_device_properties(device).L2_cache_size / 1e6},
     )
     print(f"wrote {path}")
-
-
 
 
 def run_gpu(args: argparse.Namespace) -> None:
@@ -388,9 +416,11 @@ def run_gpu(args: argparse.Namespace) -> None:
         + ([] if args.no_baseline else ["baseline_us", "speedup"])
         + (["no_pdl_us"] if args.variants else []),
         rows,
-        {"hbm_bandwidth_TBps": round(bw / 1e12, 3),
-         "programmatic_dependent_launch": DEFAULT_TUNING.pdl
-         and pdl_supported(torch.device("cuda"))},
+        {
+            "hbm_bandwidth_TBps": round(bw / 1e12, 3),
+            "programmatic_dependent_launch": DEFAULT_TUNING.pdl
+            and pdl_supported(torch.device("cuda")),
+        },
     )
     print(f"wrote {path}")
 
@@ -413,18 +443,29 @@ def run_smoke(args: argparse.Namespace) -> None:
         sgmv_layer(p, 1)
         ms = (time.perf_counter() - start) * 1e3
         gather_bmm_layer(p, 1)
-        rows.append({"phase": case.phase, "tokens": case.num_tokens,
-                     "adapters": case.num_adapters, "ranks": case.rank_label,
-                     "MB": minimal_bytes(case, TINY, 4) / 1e6, "interpreter_ms": ms,
-                     "rel_err": err})
+        rows.append(
+            {
+                "phase": case.phase,
+                "tokens": case.num_tokens,
+                "adapters": case.num_adapters,
+                "ranks": case.rank_label,
+                "MB": minimal_bytes(case, TINY, 4) / 1e6,
+                "interpreter_ms": ms,
+                "rel_err": err,
+            }
+        )
         print(rows[-1], flush=True)
     if args.out:
         from benchmarks.common import write_results
 
-        write_results(args.out, "sgmv_smoke", "SGMV LoRA, smoke (CPU, Triton interpreter)",
-                      "correctness and plumbing only",
-                      ["phase", "tokens", "adapters", "ranks", "MB", "interpreter_ms", "rel_err"],
-                      rows)
+        write_results(
+            args.out,
+            "sgmv_smoke",
+            "SGMV LoRA, smoke (CPU, Triton interpreter)",
+            "correctness and plumbing only",
+            ["phase", "tokens", "adapters", "ranks", "MB", "interpreter_ms", "rel_err"],
+            rows,
+        )
 
 
 def main() -> None:
@@ -432,20 +473,29 @@ def main() -> None:
     ap.add_argument("--only", choices=["decode", "prefill"], default=None)
     ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
     ap.add_argument("--breakdown", action="store_true", help="also time each group alone")
-    ap.add_argument("--cases", default="2,3,0",
-                    type=lambda v: [int(i) for i in v.split(",")],
-                    help="which cases --residency times (indices into QUICK + EXTRA: 0 B=1, "
-                         "1 B=8, 2 B=D=64, 3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill, "
-                         "6 B=128 over one adapter, 7 B=128 over 8 rank-64 adapters, ...)")
-    ap.add_argument("--residency", action="store_true",
-                    help="--cases with weights rotating past L2 and L2-resident; "
-                         "writes sgmv_residency")
+    ap.add_argument(
+        "--cases",
+        default="2,3,0",
+        type=lambda v: [int(i) for i in v.split(",")],
+        help="which cases --residency times (indices into QUICK + EXTRA: 0 B=1, "
+        "1 B=8, 2 B=D=64, 3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill, "
+        "6 B=128 over one adapter, 7 B=128 over 8 rank-64 adapters, ...)",
+    )
+    ap.add_argument(
+        "--residency",
+        action="store_true",
+        help="--cases with weights rotating past L2 and L2-resident; writes sgmv_residency",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
-    ap.add_argument("--variants", action="store_true",
-                    help="also time without programmatic dependent launch")
+    ap.add_argument(
+        "--variants", action="store_true", help="also time without programmatic dependent launch"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
-    ap.add_argument("--out", default=None,
-                    help="results folder (default benchmarks/results on GPU; none in --smoke)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default benchmarks/results on GPU; none in --smoke)",
+    )
     args = ap.parse_args()
     from benchmarks.common import run_smoke_or_gpu
 

@@ -8,8 +8,8 @@ The engine is benchmarks/bench_churn.py's: a Llama-3-8B-shaped model of random w
 slots, prefetch loading. Measured:
 - disk reads: `preload_adapter` of distinct adapters, the engine's own read latencies
   (`EngineStats.adapter_read_seconds`);
-- one host->GPU adapter copy: the slot pool's write on a side stream (bench_churn's
-  `copy_bandwidth`; on CPU, the write itself);
+- one host->GPU adapter copy: the slot pool's write on a side stream (`copy_bandwidth`,
+  which bench_churn reports too; on CPU, the write itself);
 - steps: batches of `--batches` sequences over `--adapters` distinct adapters, all resident,
   decoding (`Engine.step_timings`, steps with one token per sequence), and single prompts of
   `--prefills` tokens, each run once before it is measured on CUDA (kernels compile, graphs
@@ -38,10 +38,11 @@ def build_engine(root: Path, *, smoke: bool, rank: int, num_adapters: int, slots
     """bench_churn's engine: model folder, adapter files, EngineConfig."""
     import torch
 
-    from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
     from replicas.config import EngineConfig
     from replicas.engine import Engine
     from replicas.models.spec import ModelSpec
+    from synthetic.adapters import write_fleet
+    from synthetic.presets import LLAMA3_8B, TINY
 
     model_config = TINY if smoke else LLAMA3_8B
     (root / "model").mkdir(parents=True)
@@ -80,8 +81,6 @@ def measure_copy(engine, name: str, device: str) -> tuple[float, int]:
     """Seconds of one adapter's host->GPU write, and its bytes."""
     weights = engine.adapters.host.peek(name)
     if device == "cuda":
-        from benchmarks.bench_churn import copy_bandwidth
-
         return copy_bandwidth(engine, name)["write_ms"] / 1e3, weights.nbytes
     pool = engine.runner.lora_pool
     slot = pool.num_slots - 1
@@ -91,6 +90,44 @@ def measure_copy(engine, name: str, device: str) -> tuple[float, int]:
     for _ in range(reps):
         pool.write(slot, weights)
     return (time.perf_counter() - start) / reps, weights.nbytes
+
+
+def copy_bandwidth(engine, adapter: str) -> dict:
+    """Host->GPU adapter write on the load stream vs a plain pinned copy of the same bytes."""
+    import torch
+
+    engine.preload_adapter(adapter)
+    weights = engine.adapters.host.peek(adapter)
+    pool = engine.runner.lora_pool
+    stream = torch.cuda.Stream()
+    slot = pool.num_slots - 1
+    for _ in range(2):
+        pool.write(slot, weights, stream)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        events = pool.write(slot, weights, stream)
+    events[-1].synchronize()
+    write_s = (time.perf_counter() - t0) / reps
+    src = torch.empty(weights.nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(weights.nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    plain_s = (time.perf_counter() - t0) / reps
+    return {
+        "adapter_MB": weights.nbytes / 1e6,
+        "write_GBps": weights.nbytes / write_s / 1e9,
+        "pinned_copy_GBps": weights.nbytes / plain_s / 1e9,
+        "ratio": plain_s / write_s,
+        # one adapter's write: a request whose adapter is cold on arrival, with no hint ahead of
+        # it, waits at least this long for its first token under any loading scheme
+        "write_ms": write_s * 1e3,
+    }
 
 
 def _run(engine, requests) -> list:

@@ -1,7 +1,8 @@
 """Small models and adapters for tests, and transformers/PEFT as the reference implementation.
 
-Models come from `app.demo.write_llama_model` (seeded, float32, byte tokenizer). Adapters come from
-the real peft library, so our loader and kernels are checked against files PEFT itself wrote.
+Models come from `synthetic.models.write_llama_model` (seeded, float32, byte tokenizer). Adapters
+come from the real peft library, so our loader and kernels are checked against files PEFT itself
+wrote (`synthetic.adapters.write_peft_adapter` writes the same format without peft).
 `hf_greedy` and `hf_logits` are what our engine's outputs are compared with.
 """
 
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import torch
 
-from app.demo import LORA_MODULES, build_byte_tokenizer, write_llama_model
 from kernels.sgmv import SgmvBatch
+from synthetic.adapters import LORA_MODULES
+from synthetic.models import write_llama_model
+from synthetic.tokenizer import build_byte_tokenizer
 
 # Small enough that a test builds and runs one in well under a second, but with GQA (4 query
 # heads over 2 KV heads) and more than one layer, so head grouping and layer indexing are tested.

@@ -13,16 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 import app.demo as demo_module
-from app.demo import (
-    DEMO_ADAPTERS,
-    DEMO_VERSION,
-    LORA_MODULES,
-    build_byte_tokenizer,
-    ensure_demo,
-    lora_scaling,
-    save_tokenizer,
-    write_peft_adapter,
-)
+from app.demo import DEMO_ADAPTERS, DEMO_VERSION, ensure_demo
+from synthetic.adapters import LORA_MODULES, lora_scaling, write_peft_adapter
+from synthetic.tokenizer import build_byte_tokenizer, save_tokenizer
 from tests.factories import hf_greedy, hf_logits, make_adapter, make_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

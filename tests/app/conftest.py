@@ -17,12 +17,13 @@ import httpx
 import pytest
 
 from app.adapters import FleetView
-from app.demo import build_byte_tokenizer, write_peft_adapter
 from app.fleet import ReplicaReply
 from app.ingress import ApiSettings, make_api
 from app.metrics import IngressMetrics
 from replicas.engine import RequestRejected
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
+from synthetic.adapters import write_peft_adapter
+from synthetic.tokenizer import build_byte_tokenizer
 
 BASE = "tiny-base"
 MAX_MODEL_LEN = 64

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 from schemathesis.python.asgi import get_client
 
-from app.demo import build_byte_tokenizer
 from app.ingress import ApiSettings, make_api
 from app.metrics import IngressMetrics
+from synthetic.tokenizer import build_byte_tokenizer
 from tests.app.conftest import BASE, FakeEngine, FakeMetricsBackend, text_chunks
 
 MAX_EXAMPLES = 10  # random bodies per route, after the coverage phase's systematic ones

@@ -14,8 +14,6 @@ import time
 import pytest
 import torch
 
-from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
-from benchmarks.bench_router_serve import write_model
 from benchmarks.bench_serve import app_args, parse_args
 from benchmarks.loadgen import LengthRange, LoadConfig, OpenAIClient, run_load, summarize
 from benchmarks.serve_engine import drive
@@ -30,6 +28,9 @@ from benchmarks.serve_roofline import (
 from benchmarks.serve_workloads import Stream, streams
 from replicas.engine import Engine
 from replicas.models.spec import ModelSpec
+from synthetic.adapters import write_fleet
+from synthetic.models import write_model
+from synthetic.presets import LLAMA3_8B, TINY
 from tests.benchmarks.fake_server import FakeConfig, FakeTransport, serve
 
 

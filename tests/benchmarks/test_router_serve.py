@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_churn import TINY, write_fleet
 from benchmarks.bench_router_serve import (
     ROUTERS,
     app_args,
     build_application,
     parse_args,
-    write_model,
 )
 from replicas.models.spec import ModelSpec
+from synthetic.adapters import write_fleet
+from synthetic.models import write_model
+from synthetic.presets import TINY
 
 
 class TestDeployment:
