@@ -5,10 +5,7 @@
 #   bash benchmarks/device_suite.sh prefill                      # prefill step + per-op profile
 #   bash benchmarks/device_suite.sh kernel-tests                 # tests/kernels compiled (slow)
 #   bash benchmarks/device_suite.sh sgmv-residency               # B <= 8: HBM against L2 weights
-#   bash benchmarks/device_suite.sh launch-chain                 # B <= 8: the launch-chain floor
 #   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
-#   bash benchmarks/device_suite.sh copy-overlap                 # load-stream copies vs the step;
-#                                                                #   host time of an adapter write
 #   bash benchmarks/device_suite.sh adapter-read                 # disk -> pinned host read phases
 #   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
@@ -74,7 +71,6 @@ for s in "$@"; do
         kernel-tests) stage kernel-tests 300 python -m pytest -q -x tests/kernels ;;
         decode) stage decode 180 python -m benchmarks.bench_decode_step --out "$OUT" ;;
         prefill) stage prefill 240 python -m benchmarks.bench_prefill_step --profile --out "$OUT" ;;
-        copy-overlap) stage copy-overlap 180 python -m benchmarks.bench_copy_overlap --out "$OUT" ;;
         adapter-read)  # ranks 16 and 128: about 20 s and 60 s on an H100 host
             stage adapter-read-r16 120 python -m benchmarks.bench_adapter_read --rank 16 --out "$OUT"
             stage adapter-read-r128 200 python -m benchmarks.bench_adapter_read --rank 128 \
@@ -83,8 +79,6 @@ for s in "$@"; do
         sgmv-variants) stage sgmv-variants 240 python -m benchmarks.bench_sgmv --quick --variants \
             --out "$OUT" ;;
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
-        launch-chain)  # eight dependent launches a layer: the small-batch latency floor
-            stage launch-chain 180 python -m benchmarks.bench_launch_chain --out "$OUT" ;;
         sgmv-residency)  # small batches with weights from HBM and from L2
             stage sgmv-residency 120 python -m benchmarks.bench_sgmv --residency \
                 --cases 0,1,16,15,13 ;;
