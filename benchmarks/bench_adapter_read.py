@@ -32,12 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_churn import LLAMA3_8B, TINY, write_fleet
 from benchmarks.common import write_results
 from replicas.adapters.loader import read_adapter_file
 from replicas.adapters.peft_config import WEIGHTS_FILE
 from replicas.lora import LoraWeightPool
 from replicas.models.spec import ModelSpec
+from synthetic.adapters import write_fleet
+from synthetic.presets import LLAMA3_8B, TINY
 
 
 def step_loop(stop: threading.Event, device: torch.device) -> None:
