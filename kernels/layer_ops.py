@@ -95,7 +95,8 @@ TORCH_LAYER_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_and_mu
 
 
 def get_layer_ops(name: str) -> LayerOps:
-    """ "torch" (the reference, any device) or "triton" (one launch each; needs triton)."""
+    """The ops named "torch" (the reference, any device) or "triton" (one launch each; needs
+    triton)."""
     if name == "torch":
         return TORCH_LAYER_OPS
     if name == "triton":

@@ -114,30 +114,16 @@ class SgmvBackend:
     """A backend: `shrink` returns h, `expand` adds its delta to y, with the signatures of the
     torch reference above."""
 
-    def shrink(
-        self, x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch, num_slices: int
-    ) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, a: torch.Tensor, batch: SgmvBatch,
+               num_slices: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def expand(
-        self,
-        h: torch.Tensor,
-        b: torch.Tensor,
-        batch: SgmvBatch,
-        y: torch.Tensor,
-        out_offsets: tuple[int, ...],
-    ) -> None:
+    def expand(self, h: torch.Tensor, b: torch.Tensor, batch: SgmvBatch, y: torch.Tensor,
+               out_offsets: tuple[int, ...]) -> None:
         raise NotImplementedError
 
-    def apply(
-        self,
-        x: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        batch: SgmvBatch,
-        y: torch.Tensor,
-        out_offsets: tuple[int, ...],
-    ) -> None:
+    def apply(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: SgmvBatch,
+              y: torch.Tensor, out_offsets: tuple[int, ...]) -> None:
         """y += the LoRA delta of one group: x [T, in]; a [num_slots, n*R, in]; b [num_slots, R,
         sum(out_i)]. A shrink, then an expand."""
         self.expand(self.shrink(x, a, batch, len(out_offsets) - 1), b, batch, y, out_offsets)
@@ -160,8 +146,8 @@ class TorchSgmv(SgmvBackend):
 
 
 def get_backend(name: str, tuning: SgmvTuning = DEFAULT_TUNING) -> SgmvBackend:
-    """ "torch" (the reference, any device) or "triton" (the kernels under `tuning`: their rows
-    and launch switches; needs triton)."""
+    """The backend named "torch" (the reference, any device) or "triton" (the kernels under
+    `tuning`: their rows and launch switches; needs triton)."""
     if name == "torch":
         return TorchSgmv()
     if name == "triton":
