@@ -54,13 +54,15 @@ def step_loop(stop: threading.Event, device: torch.device) -> None:
                 time.sleep(1e-4)
 
 
-def beside_step_loop(read, names: list[str], concurrent: int, total: int, kept: list,
-                     device: torch.device) -> list[float]:
+def beside_step_loop(
+    read, names: list[str], concurrent: int, total: int, kept: list, device: torch.device
+) -> list[float]:
     """Read times of `total` reads, `concurrent` at a time on a worker pool, while this (the
     main) thread runs the step loop."""
     stop = threading.Event()
     times: list[float] = []
     with ThreadPoolExecutor(4) as workers:
+
         def reads() -> None:
             for _ in range(max(1, total // concurrent)):
                 futures = [workers.submit(read, names[i % len(names)]) for i in range(concurrent)]
@@ -113,8 +115,12 @@ def main() -> None:
         buf = torch.empty(pool.slot_elems * 2, dtype=torch.uint8, pin_memory=device.type == "cuda")
         t4 = time.perf_counter()
         del buf
-        return {"file_read_ms": 1e3 * (t1 - t0), "read_parse_ms": 1e3 * (t2 - t1),
-                "pack_ms": 1e3 * (t3 - t2), "alloc_one_layer_ms": 1e3 * (t4 - t3)}
+        return {
+            "file_read_ms": 1e3 * (t1 - t0),
+            "read_parse_ms": 1e3 * (t2 - t1),
+            "pack_ms": 1e3 * (t3 - t2),
+            "alloc_one_layer_ms": 1e3 * (t4 - t3),
+        }
 
     samples = [phases(names[i % len(names)]) for i in range(args.reads)]
     idle = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
@@ -125,8 +131,12 @@ def main() -> None:
 
     for concurrent in (1, 4):
         times = beside_step_loop(read, names, concurrent, args.reads, kept, device)
-        rows.append({"case": f"{concurrent} at once, beside a step loop",
-                     "read_ms": statistics.median(times)})
+        rows.append(
+            {
+                "case": f"{concurrent} at once, beside a step loop",
+                "read_ms": statistics.median(times),
+            }
+        )
     for row in rows:
         row["read_over_file_read"] = row["read_ms"] / idle["file_read_ms"]
         print(row)
@@ -139,8 +149,15 @@ def main() -> None:
             f"({nbytes / 1e6:.0f} MB file, in the page cache)",
             "read_ms against file_read_ms (the file's bytes alone, same run): the rest is parse "
             "and pack; rows beside a step loop against the idle row: contention",
-            ["case", "read_ms", "read_over_file_read", "file_read_ms", "read_parse_ms", "pack_ms",
-             "alloc_one_layer_ms"],
+            [
+                "case",
+                "read_ms",
+                "read_over_file_read",
+                "file_read_ms",
+                "read_parse_ms",
+                "pack_ms",
+                "alloc_one_layer_ms",
+            ],
             rows,
         )
 
