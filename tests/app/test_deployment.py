@@ -102,6 +102,8 @@ class TestMetrics:
             "num_running",
             "num_waiting",
             "busy_s",
+            "launch_s",
+            "step_seqs",
             "num_finished",
             "num_aborted",
             "num_abandoned",
