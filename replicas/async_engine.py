@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from replicas.engine import Engine, RequestRejected
@@ -35,6 +35,33 @@ logger = logging.getLogger(__name__)
 # CPU about 2 ms of CPU over the three, against 12 ms a request (benchmarks/bench_serve --timed,
 # docs/perf/serving.md). Ray Serve LLM batches at 50 ms too, flushing the first token at once.
 STREAM_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class _Hints:
+    hints: list[tuple[str, float]]
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[..., object]
+    args: tuple[object, ...]
+    loop: asyncio.AbstractEventLoop  # the caller's, where `future` settles
+    future: asyncio.Future[object]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    message: str | None  # for the error chunk that ends the stream; None: its caller closed it
+
+
+_InboxItem = _Add | _Hints | _Call | _Abort
 
 
 @dataclass
@@ -98,13 +125,13 @@ class AsyncEngine:
     def __init__(self, engine: Engine, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
         self.engine = engine
         self.stream_interval_s = stream_interval_s
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._channels: dict[str, Channel] = {}  # caller key -> its open channel
         self._lock = threading.Lock()  # guards _streams, _channels and every channel's pending
         self._stopped = False
-        self._held: tuple[str, object] | None = None  # taken from the inbox mid-step, not run
+        self._held: _InboxItem | None = None  # taken from the inbox mid-step, not run
         self.num_aborted = 0  # live requests aborted (caller closed, or abandoned); engine thread
         self.step_cpu_s = 0.0  # the engine thread's CPU time inside steps; engine thread
         self._thread = threading.Thread(target=self._run, name="lorafleet-engine", daemon=True)
@@ -137,7 +164,7 @@ class AsyncEngine:
                 yield _error_chunk(request.request_id, "duplicate request id", 400)
                 return
             self._streams[request.request_id] = stream
-        self._post("add", request)
+        self._post(_Add(request))
         finished = False
         loop = stream.loop
         sent_at = None  # when the last chunk went out; None before the first token
@@ -172,7 +199,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request.request_id, None)
             if not finished:
-                self._post("abort", (request.request_id, None))
+                self._post(_Abort(request.request_id, None))
 
     def open_channel(self, key: str) -> Channel:
         """Open `key`'s channel (closing one it had open): its requests' tokens after their
@@ -215,7 +242,7 @@ class AsyncEngine:
         raises its exception."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._post("call", (fn, args, loop, future))
+        self._post(_Call(fn, args, loop, future))
         return await future
 
     def abort(self, request_id: str, message: str) -> None:
@@ -223,15 +250,15 @@ class AsyncEngine:
         between steps, the engine frees its KV blocks and slot hold, and its stream ends with an
         error chunk carrying `message` (503), so the generator serving it returns. Nothing to
         wait for; an unknown or finished request is ignored."""
-        self._post("abort", (request_id, message))
+        self._post(_Abort(request_id, message))
 
     def hint(self, hints: list[tuple[str, float]]) -> None:
         """Adapters expected soon, (name, seconds until needed) each: the prefetcher starts on
         them between steps or while one runs. Nothing to wait for; unknown names are ignored."""
-        self._post("hints", list(hints))
+        self._post(_Hints(list(hints)))
 
-    def _post(self, kind: str, item: object) -> None:
-        self._inbox.put((kind, item))
+    def _post(self, item: _InboxItem) -> None:
+        self._inbox.put(item)
         self._wake.set()
 
     def _run(self) -> None:
@@ -268,29 +295,28 @@ class AsyncEngine:
             if self._held is not None:
                 if mid_step:
                     return
-                (kind, item), self._held = self._held, None
+                item, self._held = self._held, None
             else:
                 try:
-                    kind, item = self._inbox.get_nowait()
+                    item = self._inbox.get_nowait()
                 except queue.Empty:
                     return
-            if kind == "add":
-                self._add(item)
-            elif kind == "hints":
-                self._hint(item)
+            if isinstance(item, _Add):
+                self._add(item.request)
+            elif isinstance(item, _Hints):
+                self._hint(item.hints)
             elif mid_step:
-                self._held = (kind, item)
+                self._held = item
                 return
-            elif kind == "call":
-                fn, args, loop, future = item
+            elif isinstance(item, _Call):
                 try:
-                    result = fn(self.engine, *args)
+                    result = item.fn(self.engine, *item.args)
                 except Exception as e:
-                    loop.call_soon_threadsafe(_settle, future, None, e)
+                    item.loop.call_soon_threadsafe(_settle, item.future, None, e)
                 else:
-                    loop.call_soon_threadsafe(_settle, future, result, None)
-            elif kind == "abort":
-                request_id, message = item
+                    item.loop.call_soon_threadsafe(_settle, item.future, result, None)
+            else:
+                request_id, message = item.request_id, item.message
                 if self.engine.abort(request_id) is not None:
                     self.num_aborted += 1
                     logger.debug("aborted request %s", request_id)

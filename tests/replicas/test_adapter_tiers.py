@@ -569,7 +569,7 @@ def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
     """The server's engine thread takes requests and prefetch hints while a step runs, but stops
     at the first other inbox item: that item and everything after it wait for the step's end,
     in order (a request for an adapter loaded by a call just before it must come after it)."""
-    from replicas.async_engine import AsyncEngine
+    from replicas.async_engine import AsyncEngine, _Abort, _Add, _Call
     from replicas.protocol import GenerateRequest
 
     log = []
@@ -586,11 +586,11 @@ def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
 
     engine = AsyncEngine(Recorder())  # its thread is not started: the test drives the inbox
     post = engine._post
-    post("add", GenerateRequest("r1", [1], greedy(1)))
+    post(_Add(GenerateRequest("r1", [1], greedy(1))))
     engine.hint([("x", 0.0), ("y", 0.1)])
-    post("call", (lambda e: log.append(("call", "load")), (), None, None))
-    post("add", GenerateRequest("r2", [1], greedy(1), "loaded-by-the-call"))
-    post("abort", ("r1", None))
+    post(_Call(lambda e: log.append(("call", "load")), (), None, None))
+    post(_Add(GenerateRequest("r2", [1], greedy(1), "loaded-by-the-call")))
+    post(_Abort("r1", None))
     engine._take_intake()
     engine._take_intake()  # a held item stops every later mid-step intake too
     assert log == [("add", "r1"), ("hint", "x"), ("hint", "y")]
