@@ -122,7 +122,7 @@ def reconcile(
         if entry.version <= applied.get(name, 0):
             continue
         steps: list[Unload | Load] = []
-        if entry.unloaded:
+        if entry.path is None:  # unloaded
             steps.append(Unload(name))  # also names under adapter_root not used yet
         elif served.get(name) != entry.path:
             if name in served:

@@ -18,6 +18,7 @@ device tensors and size their grids from static bounds.
 from __future__ import annotations
 
 from collections import Counter
+from typing import TypedDict
 
 import torch
 
@@ -32,6 +33,20 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # Token counts of graph-replayed prefill steps: a step runs as the smallest bucket that holds
 # it, so at most a third of a bucket's tokens are padding past 48.
 PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+class _TensorOptions(TypedDict):
+    dtype: torch.dtype
+    device: torch.device
+
+
+class GraphLayout(TypedDict):
+    """The keyword arguments `DecodeGraphs` and `PrefillGraphs` share."""
+
+    max_blocks_per_seq: int
+    block_size: int
+    pad_slot: int
+    device: torch.device
 
 
 class _GraphedSteps:
@@ -59,8 +74,8 @@ class _GraphedSteps:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.pad_slot = pad_slot
-        i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        i32 = _TensorOptions(dtype=torch.int32, device=device)
+        i64 = _TensorOptions(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(tokens, **i64)
         self.positions = torch.zeros(tokens, **i64)
         self.slot_mapping = torch.full((tokens,), pad_slot, **i64)
@@ -196,9 +211,10 @@ class DecodeGraphs(_GraphedSteps):
 
     def run(self, stage: HostStaging, step: FlatStep) -> torch.Tensor:
         """Replay the decode graph for the step's sequences (one token each); returns hidden
-        states [n, hidden]."""
+        states [n, hidden]. The step fits a bucket (`bucket_for`)."""
         n = step.num_tokens
         b = self.bucket_for(n)
+        assert b is not None, "the caller checks bucket_for first"
         self._stage(stage, step, b, b, b, q_starts=False)
         one_token = all(length == 1 for length in step.seg_lens)
         key = (b, one_token or len(self.variants[b]) == 1)
@@ -281,12 +297,15 @@ class PrefillGraphs(_GraphedSteps):
                         x = model.final_norm(x)
                 pieces.append(graph)
             self.pieces[b] = pieces
+            assert x is not None  # the model has at least one layer
             self.hidden[b] = x
         torch.cuda.synchronize()
 
     def stage_step(self, stage: HostStaging, step: FlatStep) -> int:
-        """Copy a step's metadata into the static buffers (non-blocking); returns its bucket."""
+        """Copy a step's metadata into the static buffers (non-blocking); returns its bucket.
+        The step fits one (`bucket_for`)."""
         b = self.bucket_for(step.num_tokens)
+        assert b is not None, "the caller checks bucket_for first"
         self._stage(stage, step, b, *self._shape(b), q_starts=True)
         return b
 

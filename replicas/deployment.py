@@ -502,8 +502,8 @@ class RayLedger:
         # ("x@y" under "x@") leaves a tail that is not all digits.
         own = f"{self.prefix}{entry.name}@"
         keys = []
-        for listed in internal_kv._internal_kv_list(own, namespace=LEDGER_NAMESPACE):
-            listed = listed.decode() if isinstance(listed, bytes) else listed
+        for raw in internal_kv._internal_kv_list(own, namespace=LEDGER_NAMESPACE):
+            listed = raw.decode() if isinstance(raw, bytes) else raw
             tail = listed[len(own) :]
             if tail.isdigit():
                 keys.append((int(tail), listed))
@@ -611,7 +611,9 @@ def _push_routing_info(replica_id: Any, model_ids: list[str], stats: dict[str, A
     from ray.serve._private.common import RequestRoutingInfo
     from ray.serve.context import _get_global_client
 
-    _get_global_client().record_request_routing_info(
+    client = _get_global_client()
+    assert client is not None  # without a controller it raises instead
+    client.record_request_routing_info(
         RequestRoutingInfo(
             replica_id=replica_id, multiplexed_model_ids=model_ids, routing_stats=stats
         )
@@ -631,7 +633,7 @@ def _routing_stats(engine: Engine) -> dict[str, Any]:
     }
 
 
-async def _every(period_s: float, work: Callable[[], Awaitable[None]], what: str) -> None:
+async def _every(period_s: float, work: Callable[[], Awaitable[object]], what: str) -> None:
     """Run `work` every `period_s` until cancelled; a failure is logged and the loop goes on."""
     while True:
         try:

@@ -203,10 +203,12 @@ class LoraWeightPool:
         with ctx:
             _set_element(self.ranks, slot, weights.rank)
             _set_element(self.scalings, slot, weights.scaling)
-            packed = weights.layers is not None and weights.layers[0].numel() == self._slot_bytes
+            packed = weights.layers
+            if packed is not None and packed[0].numel() != self._slot_bytes:
+                packed = None
             for layer in range(self.spec.num_layers):
-                if packed:  # the slot's image, zeros past each module's rank included: one copy
-                    self._layer_bytes[layer][slot].copy_(weights.layers[layer], non_blocking=True)
+                if packed is not None:  # the slot's image, zeros past each module's rank: one copy
+                    self._layer_bytes[layer][slot].copy_(packed[layer], non_blocking=True)
                     if events is not None:
                         event = torch.cuda.Event()
                         event.record(stream)

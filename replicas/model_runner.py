@@ -16,7 +16,7 @@ import torch
 from kernels.attention import AttentionBatch, get_attention_backend
 from kernels.layer_ops import get_layer_ops
 from replicas.config import EngineConfig
-from replicas.cuda_graphs import DecodeGraphs, PrefillGraphs
+from replicas.cuda_graphs import DecodeGraphs, GraphLayout, PrefillGraphs
 from replicas.flat_step import FlatStep, lay_out
 from replicas.kv_cache import blocks_for
 from replicas.lora import LoraWeightPool
@@ -173,7 +173,7 @@ class ModelRunner:
             and self.attention_backend == "triton"
             and self.lora_pool.backend == "triton"
         ):
-            shared = dict(
+            shared = GraphLayout(
                 max_blocks_per_seq=blocks_for(max_model_len, config.block_size),
                 block_size=config.block_size,
                 pad_slot=self.pad_slot,

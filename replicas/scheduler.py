@@ -292,5 +292,6 @@ class Scheduler:
 
     def _release_slot(self, request: Request) -> None:
         if request.slot is not None:
+            assert request.adapter is not None  # only a request for an adapter takes a slot
             self.adapters.release(request.adapter)
             request.slot = None

@@ -33,6 +33,9 @@ class RotaryEmbedding(torch.nn.Module):
     """The cos and sin tables per position, [P, D/2] float32. The rotation itself is a layer op
     (kernels/layer_ops.py: `rotary`)."""
 
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, spec: RopeSpec, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv = inverse_frequencies(spec, head_dim)

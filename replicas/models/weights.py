@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
-from replicas.models.llama import LlamaModel
+from replicas.models.llama import DecoderLayer, LlamaModel
 from replicas.models.spec import ModelSpec
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -101,6 +101,7 @@ def _target(model: LlamaModel, spec: ModelSpec, name: str):
     if m is None:
         return None  # rotary caches and other extras some checkpoints carry
     layer = model.layers[int(m.group(1))]
+    assert isinstance(layer, DecoderLayer)  # LlamaModel.layers holds nothing else
     q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
     qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
     rest = m.group(2)
