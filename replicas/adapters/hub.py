@@ -166,7 +166,7 @@ def inspect(ref: HubRef, access: HubAccess, max_lora_rank: int) -> HubAdapter:
         if access.offline:
             config_file = Path(_download(ref, CONFIG_FILE, access))
             pinned = ref.at(config_file.parent.name)  # .../snapshots/<commit>/adapter_config.json
-            size = _cached_size(pinned, access)
+            size: int | None = _cached_size(pinned, access)
         else:
             pinned, files = _listing(ref, access)
             size = _check_files(pinned, files, access.max_bytes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ class AdapterError(ValueError):
         self.status = status
 
 
-def peft_pattern_value(patterns: dict[str, float], module: str) -> float | None:
+def peft_pattern_value(patterns: Mapping[str, float], module: str) -> float | None:
     """The value of the first key of a `rank_pattern` / `alpha_pattern` (in the config's order)
     that matches `module` (e.g. "model.layers.0.self_attn.q_proj") as PEFT matches them: the key
     is a regex for the end of the name, after a dot or from the start, taken whole (so

@@ -56,13 +56,13 @@ class CopyBudget:
         """What the load stream moves in `copy_steps` recent steps (at least `short_copy_s`)."""
         return max(self.short_copy_s, self.copy_steps * self.step_time_s) * self.copy_bytes_per_s
 
-    def admits(self, bytes_to_land: int, prefill_tokens: int = 0) -> bool:
+    def admits(self, bytes_to_land: float, prefill_tokens: int = 0) -> bool:
         """A copy with `bytes_to_land` still ahead of its end (its own and the copies' queued
         before it) may join a step that prefills `prefill_tokens` of its request."""
         prefill_bytes = prefill_tokens * self.prefill_token_s * self.copy_bytes_per_s
         return bytes_to_land <= self.window_bytes + prefill_bytes
 
-    def may_queue(self, queued_bytes: int, nbytes: int) -> bool:
+    def may_queue(self, queued_bytes: float, nbytes: int) -> bool:
         """The prefetcher may add a copy of `nbytes` behind `queued_bytes` still to land: an
         empty load stream takes any copy, a busy one only up to the window."""
         return not queued_bytes or queued_bytes + nbytes <= self.window_bytes

@@ -104,8 +104,12 @@ class PrefetchQueue:
 
 class _Slots(Protocol):
     num_slots: int
-    num_free: int
-    resident: Any
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def resident(self) -> Any: ...
 
     def evictable(self) -> Iterable[str]: ...
 

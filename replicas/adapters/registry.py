@@ -79,11 +79,10 @@ class VersionRegistry:
         files) the first time. Raises AdapterError: 404 for an unknown or unloaded name, 400
         for unusable files."""
         version = self._live.get(name)
-        if version is None and name not in self.unloaded and self._under_root(name):
-            read_adapter_config(self.adapter_root / name, self.max_lora_rank)
-            version = self._add(
-                name, self.adapter_root / name, "adapter_root", pinned=name in self._pinned_names
-            )
+        folder = self._root_folder(name) if version is None and name not in self.unloaded else None
+        if folder is not None:
+            read_adapter_config(folder, self.max_lora_rank)
+            version = self._add(name, folder, "adapter_root", pinned=name in self._pinned_names)
             self._checked.add(version.key)
         if version is None:
             raise AdapterError(f"the model {name!r} does not exist", status=404)
@@ -96,7 +95,7 @@ class VersionRegistry:
     def register(
         self,
         name: str,
-        path: str | Path,
+        path: str | Location,
         *,
         pinned: bool = False,
         check: Callable[[Path], object] | None = None,
@@ -132,7 +131,7 @@ class VersionRegistry:
         version = self._live.pop(name, None)
         if version is not None:
             self.retired.add(version.key)
-        elif name in self.unloaded or not self._under_root(name):
+        elif name in self.unloaded or self._root_folder(name) is None:
             raise AdapterError(f"adapter {name!r} is not loaded", status=404)
         self.unloaded.add(name)
         return version
@@ -194,12 +193,12 @@ class VersionRegistry:
         self._live[name] = version
         return version
 
-    def _under_root(self, name: str) -> bool:
-        return (
-            self.adapter_root is not None
-            and _plain_name(name)
-            and (self.adapter_root / name).is_dir()
-        )
+    def _root_folder(self, name: str) -> Path | None:
+        """`adapter_root / name`, when that is a folder and `name` a plain name."""
+        if self.adapter_root is None or not _plain_name(name):
+            return None
+        folder = self.adapter_root / name
+        return folder if folder.is_dir() else None
 
 
 def _plain_name(name: str) -> bool:

@@ -192,7 +192,7 @@ def _read_bytes(path: Path, max_bytes: int) -> np.ndarray:
         step = max(READ_CHUNK, -(-size // HOST_THREADS))
 
         def read_range(start: int) -> None:
-            view = memoryview(data)[start : start + step]
+            view = data.data[start : start + step]
             done = 0
             while done < len(view):
                 got = os.preadv(fd, [view[done:]], start + done)

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from replicas.adapters.loader import AdapterWeights
+from replicas.adapters.loader import AdapterFile, AdapterWeights
 from replicas.adapters.stats import AdapterStats
 
 
@@ -31,6 +31,9 @@ class SlotWeights(Protocol):
     ) -> list[Any] | None:
         """Copy `weights` into `slot`; with a stream, enqueue there and return one event per
         layer, in layer order."""
+
+    def pack_file(self, file: AdapterFile) -> AdapterWeights:
+        """`file`'s weights packed for `write`; reader threads call it (CUDA pools only)."""
 
 
 @dataclass
