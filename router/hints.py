@@ -207,7 +207,7 @@ async def follow_hints(
     """The replica's side, run as a task until cancelled: long-poll the board for this replica's
     hints and `deliver` each batch. `get_board()` blocks (it may create the board), so it runs
     on a worker thread; after any failure the board is fetched again."""
-    board = None
+    board: Any = None  # the board actor's handle, once fetched
     while True:
         try:
             if board is None:

@@ -136,10 +136,12 @@ class AffinityRouting:
             logger.warning("the routing policy ranked none of %d replicas", len(replicas))
             return [list(replicas)]
         if adapter is not None and self.hints is not None:
-            self._hint(adapter, tiers[0], {view.replica_id: view for view in views})
+            self._hint(self.hints, adapter, tiers[0], {view.replica_id: view for view in views})
         return tiers
 
-    def _hint(self, adapter: str, tier: list[Any], views: dict[str, ReplicaView]) -> None:
+    def _hint(
+        self, hints: HintTarget, adapter: str, tier: list[Any], views: dict[str, ReplicaView]
+    ) -> None:
         # Serve takes the shortest queue in the tier: hint that one.
         target = min(tier, key=lambda r: views[r.replica_id.unique_id].queue_len)
         view = views[target.replica_id.unique_id]
@@ -148,7 +150,7 @@ class AffinityRouting:
         if adapter in view.gpu or adapter in view.loading or view.free_slots == 0:
             return
         try:
-            self.hints.send(adapter, view.replica_id)
+            hints.send(adapter, view.replica_id)
         except Exception:  # hints are advice: never fail routing over one
             logger.debug("sending a prefetch hint failed", exc_info=True)
 
