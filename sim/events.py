@@ -4,6 +4,7 @@ were scheduled, so a run is deterministic."""
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 from collections.abc import Callable, Generator
 from typing import Any
@@ -72,5 +73,6 @@ class Task:
         if self.done:
             return
         self.done = True
-        if self.process is not None and not self.process.gi_running:
-            self.process.close()
+        process = self.process
+        if process is not None and inspect.getgeneratorstate(process) != inspect.GEN_RUNNING:
+            process.close()

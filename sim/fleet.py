@@ -25,6 +25,7 @@ from sim.events import EventLoop
 from sim.replica import ReplicaConfig, SimReplica, make_request
 from sim.serve import (
     AffinityChoice,
+    Choice,
     Controller,
     Pow2Choice,
     Router,
@@ -163,6 +164,7 @@ class Fleet:
     def _router(self, index: int) -> Router:
         c = self.config
         rng = random.Random(self.rng.getrandbits(64))
+        choice: Choice
         if c.router == "pow2":
             choice = Pow2Choice(rng, c.serve)
         else:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -363,7 +363,7 @@ class Router:
         c = self.config
         return min(c.initial_backoff_s * c.backoff_multiplier**attempt, c.max_backoff_s)
 
-    def _select(self, tier: list[str], backoff_index: int) -> Process:
+    def _select(self, tier: list[str], backoff_index: int) -> Generator[float, None, str | None]:
         """`_select_from_candidate_replicas`: the lowest cached queue length with room; else
         probe those without a usable entry and take the lowest that has room. Returns the
         replica id or None (through StopIteration's value: use `yield from`)."""
@@ -398,16 +398,17 @@ class Router:
     def _fulfil_next(self, replica_id: str, request: SimRequest, task: Task) -> None:
         """`_fulfill_next_pending_request`: FIFOMixin's (the oldest pending request for the
         same multiplexed model id, else the oldest pending) or the base class's exact match."""
-        target: SimRequest | None = request
+        target = request
         if self.choice.fifo:
-            target = None
+            oldest = None
             if request.adapter:
                 same = (r for r in self._to_fulfill if r.adapter == request.adapter)
-                target = next((r for r in same if not r.assigned), None)
-            if target is None:
-                target = next((r for r in self._to_fulfill if not r.assigned), None)
-            if target is None:
+                oldest = next((r for r in same if not r.assigned), None)
+            if oldest is None:
+                oldest = next((r for r in self._to_fulfill if not r.assigned), None)
+            if oldest is None:
                 return
+            target = oldest
         target.assigned = True
         owner = self._task_of.pop(target.rid, None)
         if owner is not None and owner is not task:
@@ -479,6 +480,7 @@ class Pow2Choice:
         if request.multiplexed_start_matching_time is None:  # Ray's `not ...`: time.time() > 0
             request.multiplexed_start_matching_time = now
         model_id = request.adapter
+        assert model_id  # `choose_replicas` sends only requests for an adapter here
         if now - request.multiplexed_start_matching_time < self._matching_timeout():
             candidates = set(self._by_model.get(model_id, ()))
             if (

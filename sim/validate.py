@@ -140,8 +140,9 @@ def compare(
     for cell in cells:
         m = dict(cell.measured)
         base = measured_pow2.get(cell.popularity)
-        if m.get("loads_vs_pow2") is None and base:
-            m["loads_vs_pow2"] = m["loads_per_1k"] / base
+        loads = m.get("loads_per_1k")
+        if m.get("loads_vs_pow2") is None and base and loads is not None:
+            m["loads_vs_pow2"] = loads / base
         p = predicted[cell.popularity, cell.router]
         row: dict[str, Any] = {"popularity": cell.popularity, "router": cell.router}
         for name in FIGURES:
