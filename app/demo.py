@@ -16,6 +16,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from synthetic.adapters import LORA_MODULES, write_peft_adapter
 from synthetic.models import write_llama_model
@@ -50,7 +51,19 @@ class DemoAssets:
         return self.model_dir.parent / "adapters"
 
 
-DEMO_MODEL = dict(
+class _ModelShape(TypedDict):
+    """`write_llama_model`'s arguments for the demo model, but its vocabulary and tokenizer."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int
+    seed: int
+
+
+DEMO_MODEL = _ModelShape(
     hidden_size=256,
     intermediate_size=688,
     num_layers=4,

@@ -25,13 +25,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from app.fleet import ServeFleetClient
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
 
 if TYPE_CHECKING:
-    from ray.serve.handle import DeploymentHandle
+    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
     from replicas.adapter_ledger import LedgerStore
 
@@ -144,7 +144,10 @@ class ServeEngineClient(ServeFleetClient):
         self._channels[replica_id] = asyncio.create_task(self._read_channel(replica_id))
 
     async def _read_channel(self, replica_id: str) -> None:
-        response = self._handle.options(stream=True).channel.remote(self.caller_id, replica_id)
+        response = cast(  # Ray types `.remote()` for both modes; streaming, it is a generator
+            "DeploymentResponseGenerator[list[GenerateChunk]]",
+            self._handle.options(stream=True).channel.remote(self.caller_id, replica_id),
+        )
         opened = False
         try:
             await asyncio.wait_for(response.__anext__(), CHANNEL_OPEN_TIMEOUT_S)

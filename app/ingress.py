@@ -35,7 +35,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from app.adapters import AdapterError, AdapterRegistry
@@ -162,6 +163,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _COMMON_ERRORS = (400, 401, 413, 500)
 _GENERATION_ERRORS = _errors(*_COMMON_ERRORS, 404, 503)
 _STREAMED = {"text/event-stream": {"schema": {"type": "string"}}}
+_PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 
 
 def make_api(
@@ -232,8 +234,7 @@ def make_api(
     @api.post(
         "/v1/load_lora_adapter",
         response_class=PlainTextResponse,
-        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
-        | _errors(*_COMMON_ERRORS, 403, 404, 503),
+        responses={200: {"content": _PLAIN_TEXT}, **_errors(*_COMMON_ERRORS, 403, 404, 503)},
     )
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
         return PlainTextResponse(await admin.load(body))
@@ -241,8 +242,7 @@ def make_api(
     @api.post(
         "/v1/unload_lora_adapter",
         response_class=PlainTextResponse,
-        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
-        | _errors(*_COMMON_ERRORS, 404, 503),
+        responses={200: {"content": _PLAIN_TEXT}, **_errors(*_COMMON_ERRORS, 404, 503)},
     )
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> PlainTextResponse:
         return PlainTextResponse(await admin.unload(body))
@@ -252,7 +252,11 @@ def make_api(
         return await admin.listing()
 
     api.openapi = functools.partial(_openapi, api)  # type: ignore[method-assign]
-    routes = [route.path for route in api.routes if route.path.startswith(("/v1/", "/health"))]
+    routes = [
+        route.path
+        for route in api.routes
+        if isinstance(route, Route) and route.path.startswith(("/v1/", "/health"))
+    ]
     # The last added runs first: count every request, then the key, then the body's size.
     api.add_middleware(BodyLimit, max_bytes=settings.body_limit)
     if settings.api_key is not None:
@@ -394,7 +398,7 @@ class OpenAIService:
         if isinstance(body.prompt, str):
             prompt_ids = await self.tokenization.encode_prompt(body.prompt)
         else:
-            prompt_ids = list(body.prompt)
+            prompt_ids = list(cast("list[int]", body.prompt))  # `_one_prompt` left one prompt
             bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
             if bad:
                 raise APIError(

@@ -93,7 +93,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     if device == "cuda":
         actor_options["num_gpus"] = 1
     engine_options["ray_actor_options"] = actor_options
-    engine = EngineDeployment.options(**engine_options).bind(
+    # @serve.deployment returns a Deployment; Ray's typing keeps the decorated class.
+    engine = EngineDeployment.options(**engine_options).bind(  # type: ignore[attr-defined]
         args.to_engine_config(source.model_dir, device), prepare=source.prepare
     )
     settings = ApiSettings(
@@ -111,7 +112,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_request_body_bytes=args.max_request_body_bytes,
     )
     # The ingress only streams; it should never be what limits the fleet's concurrency.
-    return Ingress.options(
+    return Ingress.options(  # type: ignore[attr-defined]  # a Deployment, as above
         ray_actor_options={"runtime_env": {"env_vars": replica_env()}},
         num_replicas=args.ingress_replicas(device),
         max_ongoing_requests=args.max_ongoing_requests * args.num_replicas,

@@ -25,6 +25,7 @@ import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 from app.adapters import (
     AdapterError,
@@ -149,7 +150,9 @@ class AdapterAdmin:
         this app may fetch. Raises AdapterError: the hub's 404, 400 or 503, or the fleet's
         refusal. Two ingress replicas doing this at once end with one load (the other's
         broadcast is refused as a name in use, and undone where it landed)."""
-        ref = self.hub.requested(name) if self.hub is not None else None
+        if self.hub is None:
+            return False
+        ref = self.hub.requested(name)
         if ref is None:
             return False
         adapter = await self.hub.inspect(ref)
@@ -263,13 +266,13 @@ class AdapterAdmin:
                 )
             else:
                 # Under adapter_root an engine finds it on first use; otherwise it is missing.
-                tier = "disk" if source == "adapter_root" else "absent"
+                tier: Literal["disk", "absent"] = "disk" if source == "adapter_root" else "absent"
                 placements.append(AdapterPlacement(replica_id=replica_id, tier=tier))
         rank = next((s["rank"] for s in known if s.get("rank") is not None), None)
         if rank is None and isinstance(path, HubRef):
             rank = self._ranks.get(path)
-        elif rank is None and path is not None:
-            rank = await self._config_rank(Path(path))
+        elif rank is None and isinstance(path, Path):
+            rank = await self._config_rank(path)
         return AdapterCard(
             id=name,
             source=source,
@@ -316,6 +319,7 @@ def _fleet_error(what: str, replies: list[ReplicaReply], failed: list[ReplicaRep
     logger.warning("%s on %d of %d engine replica(s): %s", what, len(failed), len(replies),
                    failed[0].detail)  # fmt: skip
     statuses = {r.status for r in failed}
-    status = statuses.pop() if len(statuses) == 1 and None not in statuses else 503
+    alike = statuses.pop() if len(statuses) == 1 else None
+    status = alike if alike is not None else 503
     message = f"{what} on {len(failed)} of {len(replies)} engine replica(s): {failed[0].reason}"
     return APIError(message, status)

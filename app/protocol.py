@@ -10,7 +10,7 @@ anywhere in a request must be valid Unicode (`RequestBody`), and integers the en
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -281,7 +281,7 @@ class CompletionRequest(SamplingFields):
                 return prompt
         if not prompt:
             raise ValueError("the prompt must not be empty")
-        return prompt
+        return cast("list[int]", prompt)  # what the union leaves: one prompt of token ids
 
     @field_validator("echo")
     @classmethod

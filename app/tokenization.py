@@ -64,7 +64,7 @@ def apply_chat_template(
 
     try:
         text = tokenizer.apply_chat_template(
-            list(messages),
+            [dict(m) for m in messages],
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             **dict(template_kwargs or {}),
@@ -155,7 +155,10 @@ class IncrementalDetokenizer:
         self._read = len(context)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=self._skip_special_tokens)
+        # transformers types `decode` for batches too: a flat id list decodes to one str
+        return self._tokenizer.decode(  # type: ignore[return-value]
+            list(ids), skip_special_tokens=self._skip_special_tokens
+        )
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Append `token_ids`; return the text they complete (maybe empty)."""
