@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import triton
@@ -354,6 +355,14 @@ _DECODE_MERGE = CachedLaunch(_decode_merge_kernel)
 _PREFILL = CachedLaunch(_prefill_kernel)
 
 
+class _DecodePlan(TypedDict):
+    """The split plan's constants, the same for the decode kernel and its merge."""
+
+    SEQS_PAD: int
+    BLOCK_N: int
+    MIN_SPLIT: int
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -388,8 +397,8 @@ def paged_decode_attention(
     pieces = decode_batch_pieces(num_kv_heads, q.device, tiling)
     max_extra = decode_max_extra(B, num_kv_heads, block_table.shape[1] * block_size, q.device,
                                  tiling)
-    plan = dict(SEQS_PAD=next_pow2(B), BLOCK_N=tiling.block_n,
-                MIN_SPLIT=tiling.min_split_tokens)
+    plan = _DecodePlan(SEQS_PAD=next_pow2(B), BLOCK_N=tiling.block_n,
+                       MIN_SPLIT=tiling.min_split_tokens)
     if max_extra:
         part_acc = q.new_empty(B + max_extra, num_q_heads, head_dim, dtype=torch.float32)
         part_ml = q.new_empty(B + max_extra, num_q_heads, 2, dtype=torch.float32)

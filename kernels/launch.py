@@ -75,8 +75,8 @@ class CachedLaunch:
         if hasattr(compiled, "__getitem__") and all(n in constants for n in names):
             if len(self._compiled) >= MAX_CACHED_LAUNCHES:  # prefill sizes vary without end
                 self._compiled.clear()
-            grid3 = (*grid, *(1,) * (3 - len(grid)))  # a compiled kernel takes all three
-            launch = _compiled_launch(compiled, grid3, tuple(constants[n] for n in names))
+            gx, gy, gz = (*grid, *(1,) * (3 - len(grid)))  # a compiled kernel takes all three
+            launch = _compiled_launch(compiled, (gx, gy, gz), tuple(constants[n] for n in names))
             self._compiled[key] = (plan, launch)
 
 

@@ -11,6 +11,7 @@ us/layer). Figures and commands: docs/perf/sgmv_tuning.md.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 from typing import Generic, TypeVar
 
@@ -86,10 +87,13 @@ class SgmvTuning:
         if not all(rows and rows[-1].serves(1 << 62, False, 0)
                    for rows in (self.shrink, self.expand)):
             raise ValueError("a kernel's last row must serve every batch")
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
 
     def __hash__(self) -> int:
         return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
 
     def shrink_tiling(self, num_tokens: int, one_token_segments: bool, max_rank: int,
                       float32: bool = False) -> ShrinkTiling:
