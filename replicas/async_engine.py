@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 STREAM_INTERVAL_S = 0.05
 
 
+# The inbox's items: posted from any thread, taken by the engine thread (`_drain_inbox`).
 @dataclass(frozen=True)
 class _Add:
     request: GenerateRequest
