@@ -598,7 +598,8 @@ def _slice_blocks(out_offsets: tuple[int, ...], block_cap: int) -> tuple[int, in
 
 def _slot_block(num_slots: int) -> int:
     """The slot table's width in registers, at least 64: pools of up to 64 slots share compiled
-    kernels (else another `max_loras_per_batch` compiles them all again: 126 s on an H100)."""
+    kernels (else another `max_loras_per_batch` compiles them all again: minutes, measured in
+    docs/perf/sgmv_tuning.md)."""
     return max(64, next_pow2(num_slots))
 
 

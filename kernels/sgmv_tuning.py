@@ -4,9 +4,9 @@ The LoRA weight pool owns a tuning and hands it to the Triton backend; a benchma
 (`dataclasses.replace(DEFAULT_TUNING, pdl=False)`). Each kernel has rows; the first that serves a
 batch wins, by three static facts the host knows: the token count, whether every segment is one
 token (decode over distinct adapters) and the pool's max rank. Speed only: every row computes
-every batch. A row stays only where it is worth 1% of the step it serves (Llama-3-8B on an H100:
-3-4 us per layer); decode rows stream their weights (B = D = 64 rank 16: 67.5 against 73.9
-us/layer). Figures and commands: docs/perf/sgmv_tuning.md.
+every batch. A row stays only where it is worth 1% of the step it serves; decode rows stream
+their weights. What each row was kept for, with its figure and the commands:
+docs/perf/sgmv_tuning.md.
 """
 
 from __future__ import annotations
@@ -126,38 +126,37 @@ _ONE = _F(1, 16, 16384, NO_SPLIT, 8, 1, 2, 32768, True)  # eight whole rows of A
 _WIDE_E = _E(16, 64, 64, 1, 1, 32, stream_weights=True)  # narrow blocks, 64-row rank steps
 _FEW_E = _E(1, 1024, 16, 4, 1, 2, stream_weights=True)  # one-token tiles over 1024 columns
 
-# One line of why per row (whole layers, H100, us/layer: this row -> the one serving without it)
+# One line per row: the batches it serves and what it does for them (the figure it was kept for:
+# docs/perf/sgmv_tuning.md)
 DEFAULT_TUNING = SgmvTuning(
     shrink=(
-        Row(_FEW, 1),  # one token: 8.8 -> 14.1 (as 2-16, ahead of the wide pools' row)
-        # wide pools 2-16: four rows an item over 4 warps; 8 over 8 rank-64 19.8 -> 23.6
+        Row(_FEW, 1),  # one token (as 2-16, ahead of the wide pools' row)
+        # wide pools 2-16: four rows an item over 4 warps
         Row(_F(1, 16, 16384, NO_SPLIT, 4, 1, 4, 16384, True), 16, min_max_rank=WIDE_RANK),
-        Row(_FEW, 16),  # 2-16 tokens: one-token tiles; 16 over one adapter 13.7 -> 35.4
-        # wide pools, 17-128 one-token segments: items only below each slot's rank; B = D = 64
-        # at ranks 8-64 58.9 -> 67.8 (H100), 64 mixed 98.0 -> 109.0 (H200); rank 16 costs 0.6
+        Row(_FEW, 16),  # 2-16 tokens: one-token tiles
+        # wide pools, 17-128 one-token segments: items only below each slot's rank (mixed ranks
+        # cost their true rank)
         Row(replace(_ONE, live_items=True), 128, one_token_segments=True, min_max_rank=WIDE_RANK),
-        # 17-128 one-token segments: eight rows an item; B = D = 64 shrink 39.5 -> 47.4
+        # 17-128 one-token segments: eight rows an item
         Row(_ONE, 128, one_token_segments=True),
-        # wide pools 17-32: 16-token tiles; 32 over 8 at ranks 8-64 43.5 -> 49.8
-        Row(_TILES, 32, min_max_rank=WIDE_RANK),
-        # 17-32 tokens: one-token tiles; 32 over 20 adapters 32.3 -> 41.4, over one 20.8 -> 23.8
+        Row(_TILES, 32, min_max_rank=WIDE_RANK),  # wide pools 17-32: 16-token tiles
+        # 17-32 tokens: one-token tiles
         Row(replace(_FEW, num_warps=4, max_a_block=4096), 32),
-        # wide pools 33-128: 1024-wide splits; 128 over one rank-128 adapter 72.6 -> 81.3
+        # wide pools 33-128: 1024-wide splits
         Row(replace(_TILES, k_per_split=1024), 128, min_max_rank=WIDE_RANK),
-        Row(_TILES, 128),  # 33-128 tokens: 64 over one adapter 25.4 -> 50+ (one-token tiles)
-        # prefill up to 512: 32-token tiles split 1024-wide, enough items for 132 SMs
+        Row(_TILES, 128),  # 33-128 tokens: 16-token tiles
+        # prefill up to 512: 32-token tiles split 1024-wide, enough items for every SM
         Row(_F(32, 64, 128, 1024, 4, 2, 4), 512),
-        # prefill: 64-token tiles read each block of A once per 64 tokens; 4 x 512 at 226
+        # prefill: 64-token tiles read each block of A once per 64 tokens
         Row(_F(64, 64, 64, 2048, 4, 3, 4), None),
     ),
     expand=(
-        # wide pools up to 16: one rank-64 token 5.3 -> 18.0, 8 over 8 rank-64 21.5 -> 27.7
-        Row(_WIDE_E, 16, min_max_rank=WIDE_RANK),
-        Row(_FEW_E, 16),  # up to 16 tokens: 16 over one adapter 15.4 -> 20.0 (16-token tiles)
-        # 17-128 one-token segments: rank steps of 32, 4 per SM; B = D = 64 38.3 -> 54.1
+        Row(_WIDE_E, 16, min_max_rank=WIDE_RANK),  # wide pools up to 16 tokens
+        Row(_FEW_E, 16),  # up to 16 tokens: one-token tiles
+        # 17-128 one-token segments: rank steps of 32, 4 per SM
         Row(replace(_FEW_E, block_r=32, programs_per_sm=4), 128, one_token_segments=True),
-        Row(_WIDE_E, 128, min_max_rank=WIDE_RANK),  # 64 skewed over 32, ranks 8-64: 56.9 -> 82.2
-        # 17-128 tokens: 16-token tiles over 128 columns on one warp; 64 over 8 11.5 -> 17.2
+        Row(_WIDE_E, 128, min_max_rank=WIDE_RANK),  # wide pools 17-128 tokens
+        # 17-128 tokens: 16-token tiles over 128 columns on one warp
         Row(_E(16, 128, 32, 1, 1, 32, stream_weights=True), 128),
         Row(_E(32, 128, 64, 4, 1, 8), 512),  # prefill up to 512: 32-token tiles
         Row(_E(64, 128, 64, 4, 1, 8), None),  # prefill: each B block read once per 64 tokens

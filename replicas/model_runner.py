@@ -63,7 +63,7 @@ def warm_up_segment_counts(num_slots: int) -> list[int]:
     a power of two, at least 16) and, as Triton does with an integer argument, on the count
     being 1 or a multiple of 16: one count of each pair 1..num_slots reaches. With 32 slots:
     1, 2, 16, 17, 32 (warming 1, 2 and 32 alone left 3-15 and 17-31 segments to compile while
-    serving: 32% of an H200 engine replica's time early in a 32-adapter burst)."""
+    serving; what that cost: docs/perf/serving.md)."""
     seen: set[tuple[int, bool, bool]] = set()
     counts = []
     for n in range(1, num_slots + 1):
