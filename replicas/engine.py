@@ -138,7 +138,6 @@ class Engine:
             self.adapters.unregister(name)
         except AdapterError as e:
             raise RequestRejected(str(e), e.status) from e
-        self.adapters.drop_unused(self._adapters_in_use)
 
     def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
         """Someone outside the engine (the router) expects a request for `adapter` in `eta_s`
@@ -219,7 +218,6 @@ class Engine:
         if request is None:
             return None
         self.runner.forget(request_id)
-        self.adapters.drop_unused(self._adapters_in_use)
         return RequestOutput(request_id, [], request.finish_reason, None, request.num_prompt_tokens)
 
     def step(self, on_idle: Callable[[], None] | None = None) -> list[RequestOutput]:
@@ -242,9 +240,6 @@ class Engine:
         if not sched.empty:
             tokens = self._run(sched, on_idle)
             outputs += self._postprocess(sched, tokens)
-        if any(o.finished for o in outputs):
-            # Now, not at the next step: an engine left idle must free them too.
-            self.adapters.drop_unused(self._adapters_in_use)
         return outputs
 
     def _run(self, sched: SchedulerOutput, on_idle: Callable[[], None] | None) -> list[int]:
@@ -307,9 +302,6 @@ class Engine:
         waiting = self.scheduler.waiting
         return [(r.adapter, r.arrival_time) for r in waiting if r.adapter is not None]
 
-    def _adapters_in_use(self) -> set[str | None]:
-        return {r.adapter for r in self.scheduler.requests()}
-
     def _finish_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling
         if token in params.stop_token_ids or (
@@ -336,5 +328,4 @@ class Engine:
             outputs.append(
                 RequestOutput(request.request_id, [], "error", message, request.num_prompt_tokens)
             )
-        self.adapters.drop_unused(self._adapters_in_use)
         return outputs

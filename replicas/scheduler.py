@@ -75,6 +75,13 @@ class AdapterLoadError(RuntimeError):
 class AdapterGate(Protocol):
     """Where the scheduler gets adapter slots. Implemented by the engine's adapter manager."""
 
+    def attach(self, adapter: str) -> None:
+        """A request on the adapter was queued (`Scheduler.add`); once for each request."""
+
+    def detach(self, adapter: str) -> None:
+        """A request on the adapter ended (finished, failed or aborted: never a preemption, which
+        queues it again), after its slot hold was released."""
+
     def is_resident(self, adapter: str) -> bool:
         """The adapter already sits in a slot (acquiring it needs no new slot)."""
 
@@ -169,6 +176,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id} is {request.status}, not waiting")
+        if request.adapter is not None:
+            self.adapters.attach(request.adapter)
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -248,7 +257,7 @@ class Scheduler:
                     self.waiting.remove(request)
                     request.error = str(e)
                     request.error_status = e.status
-                    request.status = RequestStatus.FINISHED_ERROR
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
                     out.failed.append(request)
                     continue
                 if slot is None:
@@ -283,6 +292,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._free_resources(request)
         request.status = status
+        if request.adapter is not None:
+            self.adapters.detach(request.adapter)
 
     def _free_resources(self, request: Request) -> None:
         if request.block_table:

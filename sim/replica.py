@@ -99,6 +99,12 @@ class SimAdapters:
 
     # -- the scheduler's gate (AdapterManager's, rule for rule) --------------------------------
 
+    def attach(self, adapter: str) -> None:
+        """Nothing to count: the fleet on the virtual clock never unloads an adapter."""
+
+    def detach(self, adapter: str) -> None:
+        """As `attach`."""
+
     def is_resident(self, adapter: str) -> bool:
         return adapter in self.slots
 

@@ -6,7 +6,7 @@ A thin facade over parts that each do one job, wired here for the engine:
   versions. Everything below it, and the requests, go by a version's `key`: unloading a name
   frees it at once, a reload gets new weights under a new key, and the requests holding the old
   key finish on the old weights, whose slot and host memory go with the last of them
-  (`drop_unused`).
+  (`attach` and `detach` count the requests on each version).
 - `HubFetcher` (fetcher.py): hub -> disk, for adapters named by a hub reference: downloads on
   threads of their own (never a read turn), one per pinned commit.
 - `AdapterReader` (reader.py): disk -> pinned host memory (`HostCache`), reads taking turns.
@@ -16,12 +16,12 @@ A thin facade over parts that each do one job, wired here for the engine:
 - `CopyBudget` (policy.py): when a copy in flight may join a step, learnt from the steps run.
 - `LoadingMode` (modes.py): "blocking", "overlap" or "prefetch", chosen once.
 
-It implements the scheduler's `AdapterGate` (is_resident, prepare, copy_settled, acquire,
-release; over keys, which `Request.adapter` holds once queued) and the engine's per-step hooks:
-`before_step` (between steps, before scheduling), `start_step` (what the step's layers wait on),
-`step_launched` and `poll_during_step` (while the device runs the step), `after_step` (learn from
-its time). Only the engine thread calls into this object; the reader's pool threads only read
-files.
+It implements the scheduler's `AdapterGate` (attach, detach, is_resident, prepare, copy_settled,
+acquire, release; over keys, which `Request.adapter` holds once queued) and the engine's
+per-step hooks: `before_step` (between steps, before scheduling), `start_step` (what the step's
+layers wait on), `step_launched` and `poll_during_step` (while the device runs the step),
+`after_step` (learn from its time). Only the engine thread calls into this object; the reader's
+pool threads only read files.
 """
 
 from __future__ import annotations
@@ -136,33 +136,33 @@ class AdapterManager:
 
     def unregister(self, name: str) -> None:
         """Free `name` at once: new requests get 404, a register makes a new version. Requests
-        already holding the old version finish on it; `drop_unused` then frees its slot and
-        weights. Raises AdapterError 404 when `name` is not served."""
+        already holding the old version finish on it, and the last of them to end (`detach`)
+        frees its slot and weights; with none, they go now. Raises AdapterError 404 when `name`
+        is not served."""
         version = self.registry.unregister(name)
         if version is None:
             return
         self.queue.discard(version.key)
         if version.key in self.slots:
             self.slots.set_pinned(version.key, False)
-
-    def drop_unused(self, in_use: Callable[[], set[str | None]]) -> None:
-        """Drop every retired version no request refers to (`in_use()`: the keys of every queued
-        or running request; asked only while some version is retired): its weights, a read in
-        flight, its slot (no request holds it). The engine calls this whenever requests may have
-        ended or a name was unloaded, so an idle engine frees them too."""
-        if not self.registry.retired:
-            return
-        for key in self.registry.unused_retired(in_use()):
-            self.registry.drop(key)
-            self.reader.drop(key)
-            self.queue.discard(key)
-            if key in self.slots:
-                self.slots.remove(key)
+        if not self.registry.references(version.key):
+            self._drop(version.key)
 
     def served(self) -> ServedAdapters:
         return self.registry.served()
 
     # -- the scheduler's gate -------------------------------------------------------------------
+
+    def attach(self, adapter: str) -> None:
+        """A request on `adapter` was queued: its version stays until the request ends."""
+        self.registry.refer(adapter)
+
+    def detach(self, adapter: str) -> None:
+        """A request on `adapter` ended (finished, failed or aborted; its slot hold, if any,
+        already released). The last one on an unloaded version drops it: its weights, a read in
+        flight, its slot."""
+        if self.registry.unrefer(adapter):
+            self._drop(adapter)
 
     def is_resident(self, adapter: str) -> bool:
         return adapter in self.slots
@@ -340,6 +340,14 @@ class AdapterManager:
         self.fetcher.shutdown()
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _drop(self, key: str) -> None:
+        """Forget a retired version no request refers to (no request holds its slot either)."""
+        self.registry.drop(key)
+        self.reader.drop(key)
+        self.queue.discard(key)
+        if key in self.slots:
+            self.slots.remove(key)
 
     def _load(self, adapter: str, weights: AdapterWeights) -> None:
         assignment = self.slots.assign(adapter, pinned=self.registry.is_pinned(adapter))

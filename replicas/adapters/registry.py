@@ -6,9 +6,11 @@ weights, slot and requests go by in the adapter manager. A name resolves to its 
 one configured at start-up or loaded later (`register`), else `adapter_root/<name>` once a request
 names that folder. `unregister` frees the name at once: new requests get 404, and a `register` of
 the same name right after makes a new version (a new key, its own weights), while the requests
-already holding the old key finish on it (`path` still finds it). `drop` forgets a retired version
-once no request refers to it; the manager calls it as soon as the last one ends. The key is the
-name itself unless an older version still in use holds it (then `name#2`, `name#3`, ...).
+already holding the old key finish on it (`path` still finds it). Each version counts the requests
+that refer to it (`refer` when one is queued, `unrefer` when it ends: no walk over the requests);
+`drop` forgets a retired version once that count is 0, which the manager does as soon as the last
+one ends, or at the unload when none is left. The key is the name itself unless an older version
+still in use holds it (then `name#2`, `name#3`, ...).
 
 Folders are checked cheaply here (config and files, `read_adapter_config`), once a version; a
 load's full check of the weights file (`check`) and the weights themselves are the manager's and
@@ -66,6 +68,7 @@ class VersionRegistry:
         self._live: dict[str, AdapterVersion] = {}  # name -> the version new requests get
         self._versions: dict[str, AdapterVersion] = {}  # key -> every version not dropped
         self.retired: set[str] = set()  # keys of versions unloaded but not dropped yet
+        self._refs: dict[str, int] = {}  # key -> requests queued or running on it (absent: 0)
         self.unloaded: set[str] = set()  # names unloaded and not registered again
         self._checked: set[str] = set()  # keys whose folder passed the config check
         self._suffixes = itertools.count(2)
@@ -143,9 +146,27 @@ class VersionRegistry:
             self._checked.discard(key)
             del self._versions[key]
 
-    def unused_retired(self, in_use: set[str | None]) -> list[str]:
-        """Keys of retired versions that no key in `in_use` refers to."""
-        return [key for key in self.retired if key not in in_use]
+    # -- the requests' references ---------------------------------------------------------------
+
+    def refer(self, key: str) -> None:
+        """A request on version `key` was queued: it is in use until the matching `unrefer`."""
+        self._refs[key] = self._refs.get(key, 0) + 1
+
+    def unrefer(self, key: str) -> bool:
+        """A request on `key` ended. Returns whether that left a retired version unused (the
+        caller drops it)."""
+        count = self._refs.get(key, 0)
+        if count <= 0:
+            raise ValueError(f"adapter version {key!r} released more often than referred to")
+        if count == 1:
+            del self._refs[key]
+            return key in self.retired
+        self._refs[key] = count - 1
+        return False
+
+    def references(self, key: str) -> int:
+        """Requests queued or running on version `key`."""
+        return self._refs.get(key, 0)
 
     # -- versions -------------------------------------------------------------------------------
 

@@ -147,14 +147,26 @@ class TestRegistry:
         new = registry.register("x", adapter_root / "r2")  # while the old one is still in use
         assert new.key != old.key and registry.resolve("x") == new
         assert registry.name_of(new.key) == registry.name_of(old.key) == "x"
-        assert registry.unused_retired({old.key}) == []
-        assert registry.unused_retired({new.key}) == [old.key]
         registry.drop(old.key)
         with pytest.raises(AdapterError):
             registry.path(old.key)
         assert registry.keys() == {new.key}
         with pytest.raises(AdapterError, match="already loaded"):
             registry.register("x", adapter_root / "r1")  # the live name is taken
+
+    def test_a_retired_version_is_unused_once_its_last_request_ends(self, adapter_root):
+        registry = VersionRegistry({"x": str(adapter_root / "r1")}, None, 8)
+        key = registry.resolve("x").key
+        registry.refer(key)
+        registry.refer(key)  # two requests on one version
+        assert not registry.unrefer(key)  # live: never unused, whatever its count
+        registry.refer(key)
+        registry.unregister("x")
+        assert registry.references(key) == 2
+        assert not registry.unrefer(key)  # one request left on it
+        assert registry.unrefer(key) and registry.references(key) == 0  # the last: drop it
+        with pytest.raises(ValueError, match="more often"):
+            registry.unrefer(key)
 
     def test_keys_stay_unique_when_names_look_like_versions(self, adapter_root):
         registry = VersionRegistry({"x": str(adapter_root / "r1")}, None, 8)

@@ -221,6 +221,34 @@ def test_aborting_the_last_request_of_an_unloaded_version_frees_it(models, fleet
     engine.load_adapter("ad2", str(fleet["ad2"]))
 
 
+def test_an_unloaded_version_outlives_a_preemption_and_goes_with_its_last_request(models, fleet):
+    """Two requests on one adapter, unloaded while both run; the KV cache holds only one of
+    them, so the newer is preempted and waits without a slot hold. The version stays (a waiting
+    request still refers to it) while the older finishes, the newer is readmitted and ends on
+    the old weights, and its end drops the version."""
+    engine = fleet_engine(models, fleet, num_kv_blocks=6, max_model_len=24, kv_reserve_ratio=0.0)
+    engine.add_request(Request("old", PROMPTS[1], greedy(12), "ad2"))
+    engine.add_request(Request("new", PROMPTS[1], greedy(12), "ad2"))
+    tokens: dict[str, list[int]] = {"old": [], "new": []}
+    unloaded = waited_alone = False
+    while engine.has_work:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        if engine.stalled:
+            time.sleep(0.001)
+        if not unloaded and engine.scheduler.running:
+            engine.unload_adapter("ad2")
+            unloaded = True
+        if unloaded and engine.has_work:
+            assert engine.adapter_status()["ad2"]["unloading"] is True  # a request refers to it
+            waiting = [r.request_id for r in engine.scheduler.waiting]
+            waited_alone |= waiting == ["new"] and len(tokens["old"]) == 12  # "old" ended
+    assert engine.num_preemptions > 0 and waited_alone
+    expected = hf_greedy(models["llama"], PROMPTS[1], 12, adapter_dir=fleet["ad2"])
+    assert tokens == {"old": expected, "new": expected}
+    assert "ad2" not in engine.adapter_status() and engine.stats().resident_adapters == {}
+
+
 def test_load_adapter_at_run_time(models, fleet, tmp_path):
     engine = make_engine(models["llama"])
     with pytest.raises(RequestRejected) as e:

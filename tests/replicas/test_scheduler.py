@@ -20,6 +20,16 @@ class FakeGate:
         self.still_reading: set[str] = set()
         self.copying: set[str] = set()  # long copies in flight
         self.settle_asks: list[tuple[str, int]] = []
+        self.refs: dict[str, int] = {}  # adapter -> requests queued or running on it
+
+    def attach(self, adapter: str) -> None:
+        self.refs[adapter] = self.refs.get(adapter, 0) + 1
+
+    def detach(self, adapter: str) -> None:
+        assert self.refs.get(adapter, 0) > 0, "detached more often than attached"
+        self.refs[adapter] -= 1
+        if not self.refs[adapter]:
+            del self.refs[adapter]
 
     def copy_settled(self, adapter: str, prefill_tokens: int = 0) -> bool:
         self.settle_asks.append((adapter, prefill_tokens))
@@ -356,6 +366,69 @@ class TestAdapterAdmission:
         assert out.failed[0].status is RequestStatus.FINISHED_ERROR
         assert "corrupt" in out.failed[0].error
         assert [seq.request.request_id for seq in out.seqs] == ["ok"]
+
+
+class TestAdapterReferences:
+    """Every queued or running request refers to its adapter once (`attach`), until it ends
+    (`detach`): the references always equal the requests in the scheduler, by adapter."""
+
+    @staticmethod
+    def assert_refs_match(s: Scheduler, gate: FakeGate) -> None:
+        counts: dict[str, int] = {}
+        for r in s.requests():
+            if r.adapter is not None:
+                counts[r.adapter] = counts.get(r.adapter, 0) + 1
+        assert gate.refs == counts
+
+    def test_two_requests_on_one_adapter_hold_it_until_the_last_finishes(self):
+        gate = FakeGate()
+        s, _ = make_scheduler(gate=gate)
+        s.add(req("short", adapter="x", max_tokens=1))
+        s.add(req("long", adapter="x", max_tokens=3))
+        s.add(req("base"))
+        assert gate.refs == {"x": 2}
+        run_step(s)  # "short" finishes
+        assert gate.refs == {"x": 1}
+        while s.has_work:
+            run_step(s)
+            self.assert_refs_match(s, gate)
+        assert gate.refs == {} and gate.holds == {"x": 0}
+
+    def test_an_abort_drops_the_reference_waiting_or_running(self):
+        gate = FakeGate(capacity=1)
+        s, _ = make_scheduler(gate=gate)
+        s.add(req("running", adapter="x", max_tokens=5))
+        run_step(s)
+        s.add(req("waiting", adapter="y"))  # no slot for it: stays waiting
+        run_step(s)
+        assert gate.refs == {"x": 1, "y": 1}
+        s.abort("waiting")
+        s.abort("running")
+        assert gate.refs == {} and gate.holds == {"x": 0}
+
+    def test_a_failed_admission_drops_the_reference(self):
+        gate = FakeGate(broken=("bad",))
+        s, _ = make_scheduler(gate=gate)
+        s.add(req("bad1", adapter="bad"))
+        assert gate.refs == {"bad": 1}
+        assert [r.request_id for r in s.schedule().failed] == ["bad1"]
+        assert gate.refs == {}
+
+    def test_a_preempted_request_keeps_its_reference_but_not_its_slot(self):
+        gate = FakeGate(capacity=2)
+        s, blocks = make_scheduler(gate=gate, num_blocks=6, block_size=4, kv_reserve_ratio=0.0,
+                                   min_kv_reserve_ratio=0.0)
+        s.add(req("old", n_prompt=8, adapter="x", max_tokens=12))
+        s.add(req("new", n_prompt=8, adapter="y", max_tokens=12))
+        preempted = False
+        while s.has_work:
+            out = run_step(s)
+            self.assert_refs_match(s, gate)
+            if any(r.request_id == "new" for r in out.preempted):
+                preempted = True
+                assert gate.refs["y"] == 1 and gate.holds["y"] == 0  # queued, holding no slot
+        assert preempted and gate.refs == {}
+        assert blocks.num_free == 6 and gate.holds == {"x": 0, "y": 0}  # readmitted, finished
 
 
 def test_policy_modules_import_without_torch():
