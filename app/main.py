@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.adapters import AdapterError, validate_adapter_dir
+from app.api import ApiSettings
 from app.config import AppArgs, check_pinned, looks_like_local_path
 from app.hub import pin_configured_adapters
-from app.ingress import ApiSettings, Ingress
+from app.ingress import Ingress
 from replicas.adapters.hub import HUB_SCHEME, HubAccess
 from replicas.step_cost import load_step_cost
 

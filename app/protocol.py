@@ -10,12 +10,15 @@ anywhere in a request must be valid Unicode (`RequestBody`), and integers the en
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -59,6 +62,8 @@ def error_type(status: int) -> str:
 
 
 RETRY_AFTER_S = 1  # what a 503 tells a client to wait before trying again
+# A failure of ours (a bug, an engine fault): its details go to the log, never to the client.
+INTERNAL_ERROR = "the server failed to complete this request (an internal error, logged)"
 
 
 class APIError(Exception):
@@ -174,6 +179,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """A request field the engine cannot honour: `accepts` tells its neutral values (the only
+    ones allowed), `message` is the 400's text (`{value}` is the value sent)."""
+
+    accepts: Callable[[Any], bool]
+    message: str
+
+
+def _unset(value: Any) -> bool:
+    return not value
+
+
+_NO_PENALTY = Unsupported(
+    lambda v: v == 0.0, "presence and frequency penalties are not supported (only 0)"
+)
+
+
+def refuse_unsupported(fields: Mapping[str, Unsupported]) -> Any:
+    """A validator of `fields` (a table of the model's unsupported fields) that refuses each
+    field set to a value it does not accept. Give each model's its own attribute name: a
+    subclass's validator of the same name would replace its parent's."""
+
+    def check(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+        rule = fields[info.field_name or ""]
+        if not rule.accepts(value):
+            raise ValueError(rule.message.format(value=value))
+        return value
+
+    return field_validator(*fields)(classmethod(check))
+
+
 class SamplingFields(RequestBody):
     """What completions and chat requests share: sampling, stops, streaming, unsupported knobs."""
 
@@ -201,6 +238,15 @@ class SamplingFields(RequestBody):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    _sampling_supported = refuse_unsupported(
+        {
+            "n": Unsupported(lambda n: n == 1, "only n=1 is supported, got {value}"),
+            "presence_penalty": _NO_PENALTY,
+            "frequency_penalty": _NO_PENALTY,
+            "logit_bias": Unsupported(_unset, "logit_bias is not supported"),
+        }
+    )
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, stop: str | list[str] | None) -> list[str]:
@@ -210,27 +256,6 @@ class SamplingFields(RequestBody):
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("presence and frequency penalties are not supported (only 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -265,6 +290,15 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    _completion_supported = refuse_unsupported(
+        {
+            "echo": Unsupported(_unset, "echo is not supported"),
+            "logprobs": Unsupported(lambda v: v is None, "logprobs is not supported (only null)"),
+            "best_of": Unsupported(lambda v: v in (None, 1), "best_of is not supported (only 1)"),
+            "suffix": Unsupported(_unset, "suffix is not supported"),
+        }
+    )
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
@@ -282,34 +316,6 @@ class CompletionRequest(SamplingFields):
         if not prompt:
             raise ValueError("the prompt must not be empty")
         return cast("list[int]", prompt)  # what the union leaves: one prompt of token ids
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> None:
-        if logprobs is not None:
-            raise ValueError("logprobs is not supported (only null)")
-        return None
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError("best_of is not supported (only 1)")
-        return best_of
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix: str | None) -> None:
-        if suffix:
-            raise ValueError("suffix is not supported")
-        return None
 
 
 class ContentPart(BaseModel):
@@ -387,12 +393,21 @@ class ChatCompletionRequest(SamplingFields):
         default=None, description="Extension: extra variables for the chat template."
     )
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool) -> bool:
-        if logprobs:
-            raise ValueError("logprobs is not supported (only false)")
-        return logprobs
+    _chat_supported = refuse_unsupported(
+        {
+            "logprobs": Unsupported(_unset, "logprobs is not supported (only false)"),
+            "top_logprobs": Unsupported(_unset, "top_logprobs is not supported"),
+            "tools": Unsupported(_unset, "tools are not supported"),
+            "tool_choice": Unsupported(
+                lambda v: v in (None, "none", "auto"),
+                "tool_choice is not supported (tools are not supported)",
+            ),
+            "response_format": Unsupported(
+                lambda v: v is None or v.get("type") == "text",
+                "response_format is not supported (only {{'type': 'text'}})",
+            ),
+        }
+    )
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -403,34 +418,6 @@ class ChatCompletionRequest(SamplingFields):
             # loops run on this server); the others are how the server calls the template.
             raise ValueError(f"these keys may not be set: {taken}")
         return kwargs
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, top_logprobs: int | None) -> None:
-        if top_logprobs:
-            raise ValueError("top_logprobs is not supported")
-        return None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> None:
-        if tools:
-            raise ValueError("tools are not supported")
-        return None
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, tool_choice: str | dict[str, Any] | None) -> None:
-        if tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported (tools are not supported)")
-        return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, response_format: dict[str, Any] | None) -> None:
-        if response_format is not None and response_format.get("type") != "text":
-            raise ValueError("response_format is not supported (only {'type': 'text'})")
-        return None
 
     @property
     def output_token_limit(self) -> int | None:

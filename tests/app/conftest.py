@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from app.adapters import FleetView
+from app.api import ApiSettings, make_api
 from app.fleet import ReplicaReply
-from app.ingress import ApiSettings, make_api
 from app.metrics import IngressMetrics
 from replicas.engine import RequestRejected
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import app.demo
+from app.api import ApiSettings
 from app.demo import DemoAssets
-from app.ingress import ApiSettings
 from app.main import build_app, resolve_device
 from replicas.config import EngineConfig
 from tests.app.conftest import write_adapter

@@ -151,3 +151,58 @@ class TestResponses:
                 "code": "model_not_found",
             }
         }
+
+
+# Each unsupported field with a value it refuses, and the whole message the client reads.
+REFUSED = {
+    "completion": [
+        ("n", 3, "only n=1 is supported, got 3"),
+        ("presence_penalty", 0.5, "presence and frequency penalties are not supported (only 0)"),
+        ("frequency_penalty", -1.0, "presence and frequency penalties are not supported (only 0)"),
+        ("logit_bias", {"1": 2.0}, "logit_bias is not supported"),
+        ("echo", True, "echo is not supported"),
+        ("logprobs", 2, "logprobs is not supported (only null)"),
+        ("best_of", 2, "best_of is not supported (only 1)"),
+        ("suffix", "x", "suffix is not supported"),
+    ],
+    "chat": [
+        ("n", 2, "only n=1 is supported, got 2"),
+        ("logprobs", True, "logprobs is not supported (only false)"),
+        ("top_logprobs", 3, "top_logprobs is not supported"),
+        ("tools", [{"type": "function"}], "tools are not supported"),
+        ("tool_choice", "required", "tool_choice is not supported (tools are not supported)"),
+        (
+            "response_format",
+            {"type": "json_object"},
+            "response_format is not supported (only {'type': 'text'})",
+        ),
+    ],
+}
+
+
+class TestUnsupportedFields:
+    @pytest.mark.parametrize(
+        ("kind", "field", "value", "message"),
+        [(kind, *case) for kind, cases in REFUSED.items() for case in cases],
+    )
+    def test_each_is_refused_on_its_own_field_with_its_message(self, kind, field, value, message):
+        build = completion if kind == "completion" else chat
+        with pytest.raises(ValidationError) as info:
+            build(**{field: value})
+        (error,) = info.value.errors()
+        assert error["loc"] == (field,)
+        assert error["msg"] == f"Value error, {message}"
+
+    def test_neutral_values_are_accepted(self):
+        neutral = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}}
+        request = completion(**neutral, echo=False, logprobs=None, best_of=None, suffix="")
+        assert (request.n, request.echo, request.best_of) == (1, False, None)
+        for tool_choice, response_format in [("none", {"type": "text"}), ("auto", None)]:
+            request = chat(
+                logprobs=False,
+                top_logprobs=0,
+                tools=[],
+                tool_choice=tool_choice,
+                response_format=response_format,
+            )
+            assert request.tool_choice == tool_choice

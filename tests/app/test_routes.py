@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from app.ingress import ApiSettings, make_api
+from app.api import ApiSettings, make_api
 from replicas.protocol import EngineError
 from tests.app.conftest import (
     BASE,

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 from schemathesis.python.asgi import get_client
 
-from app.ingress import ApiSettings, make_api
+from app.api import ApiSettings, make_api
 from app.metrics import IngressMetrics
 from synthetic.tokenizer import build_byte_tokenizer
 from tests.app.conftest import BASE, FakeEngine, FakeMetricsBackend, text_chunks

@@ -12,8 +12,8 @@ import threading
 import httpx
 import pytest
 
+from app.api import ApiSettings, make_api
 from app.guards import default_body_limit
-from app.ingress import ApiSettings, make_api
 from app.metrics import IngressMetrics
 from replicas.protocol import GenerateChunk, GenerateRequest
 from tests.app.conftest import (
