@@ -147,24 +147,6 @@ def run(engine: Engine, requests) -> dict:
     }
 
 
-def host_calls(prof, min_ms: float = 2.0, top: int = 25) -> str:
-    """CUDA runtime and driver calls and aten ops seen by `torch.profiler`, by their longest
-    single call: a host call that blocks for an adapter copy shows up here as a call about as
-    long as the copy."""
-    by_name: dict[str, list[float]] = {}
-    for event in prof.events():
-        name = event.name
-        if not (name.startswith(("cuda", "cu")) or name.startswith("aten::")):
-            continue
-        by_name.setdefault(name, []).append(event.time_range.elapsed_us() / 1000)
-    rows = sorted(by_name.items(), key=lambda kv: -max(kv[1]))[:top]
-    lines = [f"{'call':<40} {'count':>7} {'total_ms':>10} {'max_ms':>8} {f'>{min_ms:g}ms':>7}"]
-    for name, ms in rows:
-        slow = sum(1 for m in ms if m > min_ms)
-        lines.append(f"{name[:40]:<40} {len(ms):>7} {sum(ms):>10.1f} {max(ms):>8.2f} {slow:>7}")
-    return "\n".join(lines)
-
-
 def warm_up(engine: Engine, names: list[str], args) -> None:
     """Run every kernel shape the measured run will meet (a burst over all slots, then requests
     one at a time), so that Triton's compilation stays out of the figures (`run` counts only
@@ -305,12 +287,6 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the code")
     ap.add_argument(
-        "--profile-host",
-        action="store_true",
-        help="profile each cell and append its longest host calls (CUDA runtime, "
-        "aten) to <name>_host_calls.txt: finds host waits on adapter copies",
-    )
-    ap.add_argument(
         "--published",
         default=None,
         help="figures published elsewhere for this shape, e.g. 'SGLang:ttft_p50_ms=62.65,"
@@ -379,18 +355,7 @@ def main() -> None:
         for kind in kinds:
             started = time.monotonic()
             warm_up(e, names, args)
-            if args.profile_host and device == "cuda":
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    result = run(e, workload(args, names, kind))
-                summary = host_calls(prof)
-                print(summary, flush=True)
-                name = args.name or f"churn_{args.num_adapters}x_r{args.rank}"
-                with open(Path(args.out) / f"{name}_host_calls.txt", "a") as f:
-                    f.write(f"== {kind}/{mode}: {result}\n{summary}\n\n")
-            else:
-                result = run(e, workload(args, names, kind))
+            result = run(e, workload(args, names, kind))
             row = {"popularity": kind, "mode": mode, **result}
             rows.append(row)
             rows.sort(key=lambda r: kinds.index(r["popularity"]))  # stable: modes stay in order

@@ -8,8 +8,7 @@ model) enters an idle engine, and `engine.step()` is timed from call to return: 
 its sampled token back, so this is the whole prefill as a request's TTFT sees it, host work
 included. Floor: 2 x parameters x N FLOPs at the bf16 matmul rate of a large square GEMM timed
 here, or the weights' bytes over the HBM bandwidth timed here, whichever is larger.
-`--host-profile` writes, per case, where the step's host time goes (cProfile over the
-repeats, prefill_host_profile_<tokens>_<adapter>.txt). `--profile` also writes, per case, the
+`--profile` also writes, per case, the
 GPU time per kernel and the host time per op of one step (prefill_profile_<tokens>_<adapter>.txt),
 and reports the step's summed kernel time (`gpu_busy_ms`): far below `step_ms` means the step is
 bound by host work, not by kernels. Steps of up to `max_prefill_graph_tokens` replay per-layer
@@ -19,10 +18,7 @@ CUDA graphs; each such case is timed eagerly too, in the same run (`eager_ms`).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import random
 import statistics
 import tempfile
@@ -91,23 +87,12 @@ def profile_step(engine, tokens: int, adapter: str | None, rng, out: Path) -> fl
     return sum(e.self_device_time_total for e in kernels) / 1000  # the kernels' own rows only
 
 
-def write_host_profile(profiler, out: Path, tokens: int, adapter: str | None) -> None:
-    """The timed steps' Python functions by own time and by cumulative time."""
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(40)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"prefill_host_profile_{tokens}_{adapter or 'base'}.txt").write_text(text.getvalue())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="128,256,512,1024,2048")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--host-profile", action="store_true", help="cProfile the timed steps")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the code")
     args = ap.parse_args()
@@ -145,13 +130,7 @@ def main() -> None:
         for adapter in (None, "lora-0"):
             for _ in range(2):  # first use of a shape: kernels compile
                 prefill_once(engine, tokens, adapter, rng)
-            profiler = cProfile.Profile() if args.host_profile else None
-            if profiler is not None:
-                profiler.enable()
             seconds = [prefill_once(engine, tokens, adapter, rng) for _ in range(args.repeats)]
-            if profiler is not None:
-                profiler.disable()
-                write_host_profile(profiler, Path(args.out), tokens, adapter)
             step_ms = 1000 * statistics.median(seconds)
             row = {
                 "tokens": tokens,

@@ -3,7 +3,6 @@ against the memory floor and a torch gather-bmm baseline.
 
     python -m benchmarks.bench_sgmv [--out DIR] [--only decode|prefill] [--breakdown]
     python -m benchmarks.bench_sgmv --quick    # only the cases behind the design targets
-    python -m benchmarks.bench_sgmv --residency --cases 0,1  # weights from HBM against L2
     python -m benchmarks.bench_sgmv --smoke     # tiny sizes on CPU, Triton's interpreter
 
 A layer is four shrink + expand pairs: fused q/k/v (4096 -> 4096 + 1024 + 1024), o (4096 -> 4096),
@@ -19,8 +18,7 @@ over several layers' weights in turn (enough to overflow L2), so weights come fr
 The baseline gathers every token's A and B at the pool's max rank (A[slot_of_token],
 B[slot_of_token]) and multiplies with torch.bmm, captured in a CUDA graph as well.
 
-The kernels run under `DEFAULT_TUNING` (kernels/sgmv_tuning.py); `--variants` builds a second
-tuning without programmatic dependent launch and times it in the same run.
+The kernels run under `DEFAULT_TUNING` (kernels/sgmv_tuning.py).
 """
 
 from __future__ import annotations
@@ -275,13 +273,6 @@ def measure(case: Case, bw: float, args: argparse.Namespace) -> dict:
     if not args.no_baseline:
         row["baseline_us"] = graph_us_per_layer(p, gather_bmm_layer, iters=5)
         row["speedup"] = row["baseline_us"] / us
-    if args.variants:  # what programmatic dependent launch buys, in the same run
-        from dataclasses import replace
-
-        from kernels.sgmv import get_backend
-
-        p.sgmv = get_backend("triton", replace(p.sgmv.tuning, pdl=False))
-        row["no_pdl_us"] = graph_us_per_layer(p, sgmv_layer)
     if args.breakdown:  # per group: (shrink alone, expand alone)
         p.h = layer0_h(p)
         row["groups_us"] = {
@@ -305,93 +296,6 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
     Case("decode", (1,) * 64, tuple(MIXED_RANKS[i % 4] for i in range(64)), "mixed"),
     Case("prefill", (512,) * 4, (16,) * 4, "16"),
 ]
-EXTRA = [  # --cases 6 and 7: many tokens over few adapters, one tile per 16
-    Case("decode", (128,), (16,), "16"),
-    Case("decode", (16,) * 8, (64,) * 8, "64"),
-    # 8-10: a pool of rank 128 (large adapters), prompts of a few hundred tokens and mixed steps
-    Case("decode", (128,), (128,), "128"),
-    Case("decode", (32,) * 4, (128,) * 4, "128"),
-    Case("prefill", (256,), (128,), "128"),
-    # 11-12: B = 8 over 8 adapters of a pool of rank 64: one rank, and ranks 8-64
-    Case("decode", (1,) * 8, (64,) * 8, "64"),
-    Case("decode", (1,) * 8, tuple(MIXED_RANKS[i % 4] for i in range(8)), "mixed"),
-    # 13-16: the latency cells past 10 us: one token of rank 64, 8 tokens over one adapter of
-    # rank 64 and of rank 16, 8 tokens over 8 rank-8 adapters
-    Case("decode", (1,), (64,), "64"),
-    Case("decode", (8,), (64,), "64"),
-    Case("decode", (8,), (16,), "16"),
-    Case("decode", (1,) * 8, (8,) * 8, "8"),
-    # 17-18: a skewed decode batch (popular adapters share it with many requests of their own),
-    # rank 16 and ranks 8-64
-    SKEWED,
-    SKEWED_MIXED,
-]
-
-
-def residency(args: argparse.Namespace) -> None:
-    """For the cases of `--cases`: a layer, its shrinks alone and its expands alone with
-    the layers' weights rotating past L2 (as measured) and with every layer the same tensors
-    (L2-resident), to tell weight bandwidth from the kernels' own latency: a cell whose
-    L2-resident layer stays past a goal misses it on latency, whatever its weights' reads do.
-    Writes `sgmv_residency`."""
-    from benchmarks.common import write_results
-
-    device = torch.device("cuda")
-    rows = []
-    for case in ((QUICK + EXTRA)[i] for i in args.cases):
-        layers = layers_for(case, LLAMA3_8B, device)
-        row = {
-            "phase": case.phase,
-            "tokens": case.num_tokens,
-            "adapters": case.num_adapters,
-            "ranks": case.rank_label,
-            "weights_MB": weight_bytes(case, LLAMA3_8B) / 1e6,
-        }
-        for weights in ("rotating", "resident"):
-            p = make_problem(case, LLAMA3_8B, layers, torch.bfloat16, device)
-            if weights == "resident":
-                p.weights = [p.weights[0]] * layers
-            p.h = layer0_h(p)
-            for part, fn in (
-                ("layer", sgmv_layer),
-                ("shrinks", shrink_layer),
-                ("expands", expand_layer),
-            ):
-                row[f"{part}_{weights}_us"] = graph_us_per_layer(p, fn)
-            del p
-        row["resident_over_rotating"] = row["layer_resident_us"] / row["layer_rotating_us"]
-        rows.append(row)
-        print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-        torch.cuda.empty_cache()
-    path = write_results(
-        args.out,
-        "sgmv_residency",
-        "SGMV layers with their weights rotating past L2 and L2-resident (CUDA-graph replay)",
-        "µs per layer (all seven projections, bf16), and its shrinks and expands alone, with "
-        "each layer's weights fresh (rotating past L2, as bench_sgmv measures) against every "
-        "layer on the same weights (L2-resident) in the same run; resident_over_rotating = the "
-        "layer's resident time / its rotating time (1.0: the weights' reads cost nothing); a "
-        "layer's weights past the L2's size (l2_MB) cannot stay resident",
-        [
-            "phase",
-            "tokens",
-            "adapters",
-            "ranks",
-            "weights_MB",
-            "layer_rotating_us",
-            "layer_resident_us",
-            "resident_over_rotating",
-            "shrinks_rotating_us",
-            "shrinks_resident_us",
-            "expands_rotating_us",
-            "expands_resident_us",
-        ],
-        rows,
-        {"l2_MB": torch.cuda.get_device_properties(device).L2_cache_size / 1e6},
-    )
-    print(f"wrote {path}")
-
-
 def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import hbm_bandwidth, write_results
     from kernels.sgmv_triton import pdl_supported
@@ -399,9 +303,6 @@ def run_gpu(args: argparse.Namespace) -> None:
 
     args.out = args.out or "benchmarks/results"
     torch.manual_seed(0)
-    if args.residency:
-        residency(args)
-        return
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = [measure(case, bw, args) for case in (QUICK if args.quick else cases(args.only))]
@@ -413,8 +314,7 @@ def run_gpu(args: argparse.Namespace) -> None:
         "adapter at its true rank + x in, y in/out) / HBM bandwidth; frac_of_floor = floor / "
         "measured; baseline = torch gather + bmm at the pool's max rank, also graph-replayed",
         ["phase", "tokens", "adapters", "ranks", "sgmv_us", "floor_us", "frac_of_floor", "GBps"]
-        + ([] if args.no_baseline else ["baseline_us", "speedup"])
-        + (["no_pdl_us"] if args.variants else []),
+        + ([] if args.no_baseline else ["baseline_us", "speedup"]),
         rows,
         {
             "hbm_bandwidth_TBps": round(bw / 1e12, 3),
@@ -473,23 +373,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["decode", "prefill"], default=None)
     ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
     ap.add_argument("--breakdown", action="store_true", help="also time each group alone")
-    ap.add_argument(
-        "--cases",
-        default="2,3,0",
-        type=lambda v: [int(i) for i in v.split(",")],
-        help="which cases --residency times (indices into QUICK + EXTRA: 0 B=1, "
-        "1 B=8, 2 B=D=64, 3 B=64 over 8 adapters, 4 mixed ranks, 5 prefill, "
-        "6 B=128 over one adapter, 7 B=128 over 8 rank-64 adapters, ...)",
-    )
-    ap.add_argument(
-        "--residency",
-        action="store_true",
-        help="--cases with weights rotating past L2 and L2-resident; writes sgmv_residency",
-    )
     ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
-    ap.add_argument(
-        "--variants", action="store_true", help="also time without programmatic dependent launch"
-    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
     ap.add_argument(
         "--out",

@@ -4,8 +4,6 @@
 #   bash benchmarks/device_suite.sh tests sgmv-quick decode     # GPU tests, then quick figures
 #   bash benchmarks/device_suite.sh prefill                      # prefill step + per-op profile
 #   bash benchmarks/device_suite.sh kernel-tests                 # tests/kernels compiled (slow)
-#   bash benchmarks/device_suite.sh sgmv-residency               # B <= 8: HBM against L2 weights
-#   bash benchmarks/device_suite.sh sgmv-variants                # quick set, and without PDL
 #   bash benchmarks/device_suite.sh adapter-read                 # disk -> pinned host read phases
 #   bash benchmarks/device_suite.sh churn16                      # the churn matrix, a call each:
 #   bash benchmarks/device_suite.sh churn-large                  #   each stage takes minutes
@@ -76,12 +74,7 @@ for s in "$@"; do
             stage adapter-read-r128 200 python -m benchmarks.bench_adapter_read --rank 128 \
                 --out "$OUT" ;;
         sgmv-quick) stage sgmv-quick 150 python -m benchmarks.bench_sgmv --quick --out "$OUT" ;;
-        sgmv-variants) stage sgmv-variants 240 python -m benchmarks.bench_sgmv --quick --variants \
-            --out "$OUT" ;;
         sgmv) stage sgmv 300 python -m benchmarks.bench_sgmv --out "$OUT" ;;
-        sgmv-residency)  # small batches with weights from HBM and from L2
-            stage sgmv-residency 120 python -m benchmarks.bench_sgmv --residency \
-                --cases 0,1,16,15,13 ;;
         churn16)
             churn churn16 420 --num-adapters 32 --rank 16 --slots 8 --rate 4 --num-requests 48 \
                 --popularity distinct,uniform,skewed --resident ;;
