@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from fastapi.responses import JSONResponse, Response
@@ -44,6 +43,7 @@ from app.streaming import (
 )
 from app.tokenization import ChatTemplateError, TextStream, TokenizerPool
 from replicas.adapters.hub import HubAccess
+from replicas.limits import EngineLimits, LimitExceeded
 from replicas.protocol import GenerateChunk, GenerateRequest
 from replicas.request import SamplingParams
 
@@ -66,13 +66,6 @@ class EngineClient(FleetClient, Protocol):
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
 
     async def info(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...] = ()
 
 
 class OpenAIService:
@@ -106,8 +99,8 @@ class OpenAIService:
         self.admin = AdapterAdmin(
             engine, self.registry, runtime_adapter_dirs=settings.runtime_adapter_dirs, hub=hub
         )
-        self._info: EngineInfo | None = None
-        self._info_lock = asyncio.Lock()
+        self._limits: EngineLimits | None = None
+        self._limits_lock = asyncio.Lock()
 
     # -- models ------------------------------------------------------------------------------
 
@@ -116,7 +109,7 @@ class OpenAIService:
         as the engine fleet knows them."""
         await self.registry.refresh()
         base = self.settings.served_model_name
-        max_len = self._info.max_model_len if self._info is not None else None
+        max_len = self._limits.max_model_len if self._limits is not None else None
         cards = [ModelCard(id=base, root=self.settings.model_root, max_model_len=max_len)]
         for name, path in sorted(self.registry.adapters.items()):
             cards.append(ModelCard(id=name, root=str(path), parent=base, max_model_len=max_len))
@@ -132,48 +125,40 @@ class OpenAIService:
             code = {404: "model_not_found", 400: "invalid_adapter"}.get(e.status)
             raise APIError(str(e), e.status, param="model", code=code) from e
 
-    async def engine_info(self) -> EngineInfo:
+    async def engine_limits(self) -> EngineLimits:
         """The engine's limits, asked once (the first request waits for the engine to be up)."""
-        if self._info is None:
-            async with self._info_lock:
-                if self._info is None:
+        if self._limits is None:
+            async with self._limits_lock:
+                if self._limits is None:
                     try:
                         info = await self.engine.info()
                     except Exception as e:
                         logger.warning("could not ask the engine for its limits: %r", e)
                         raise APIError(ENGINE_FAILED, 503) from e
-                    self._info = EngineInfo(
-                        max_model_len=int(info["max_model_len"]),
-                        vocab_size=int(info["vocab_size"]),
-                        eos_token_ids=tuple(info.get("eos_token_ids", ())),
+                    self._limits = EngineLimits(
+                        max_model_len=int(info["max_model_len"]), vocab_size=int(info["vocab_size"])
                     )
-        return self._info
+        return self._limits
 
     # -- routes ------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest) -> Response:
         arrival = self.metrics.clock()
         adapter = await self.resolve_adapter(body.model)
-        info = await self.engine_info()
+        limits = await self.engine_limits()
         if isinstance(body.prompt, str):
             prompt_ids = await self.tokenization.encode_prompt(body.prompt)
         else:
             prompt_ids = list(cast("list[int]", body.prompt))  # `_one_prompt` left one prompt
-            bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
-            if bad:
-                raise APIError(
-                    f"token id {bad[0]} is outside the vocabulary (0..{info.vocab_size - 1})",
-                    param="prompt",
-                )
-        output = CompletionOutput(body.model)
-        budget = _output_budget(len(prompt_ids), body.max_tokens, info, prompt_param="prompt")
+        sampling = _sampling_params(body, prompt_ids, body.max_tokens, limits, "prompt")
         timer = self.metrics.generation(adapter, arrival)
-        return await self._generate(body, budget, prompt_ids, adapter, output, timer)
+        output = CompletionOutput(body.model)
+        return await self._generate(body, sampling, prompt_ids, adapter, output, timer)
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         arrival = self.metrics.clock()
         adapter = await self.resolve_adapter(body.model)
-        info = await self.engine_info()
+        limits = await self.engine_limits()
         messages = [_template_message(m.role, m.text, m.name) for m in body.messages]
         try:
             prompt_ids = await self.tokenization.apply_chat_template(
@@ -183,25 +168,23 @@ class OpenAIService:
             )
         except ChatTemplateError as e:
             raise APIError(str(e), param="messages") from e
-        output = ChatOutput(body.model)
-        budget = _output_budget(
-            len(prompt_ids), body.output_token_limit, info, prompt_param="messages"
-        )
+        max_tokens = body.output_token_limit
+        sampling = _sampling_params(body, prompt_ids, max_tokens, limits, "messages")
         timer = self.metrics.generation(adapter, arrival)
-        return await self._generate(body, budget, prompt_ids, adapter, output, timer)
+        output = ChatOutput(body.model)
+        return await self._generate(body, sampling, prompt_ids, adapter, output, timer)
 
     # -- generation --------------------------------------------------------------------------
 
     async def _generate(
         self,
         body: SamplingFields,
-        max_tokens: int,
+        sampling: SamplingParams,
         prompt_ids: list[int],
         adapter: str | None,
         output: OutputShape,
         timer: GenerationTimer,
     ) -> Response:
-        sampling = _sampling_params(body, max_tokens, await self.engine_info())
         request = GenerateRequest(output.request_id, prompt_ids, sampling, adapter)
         text = TextStream(self.tokenizer, prompt_ids, body.stop_strings)
         stream = aiter(self.engine.generate(request))
@@ -242,54 +225,30 @@ def _template_message(role: str, content: str, name: str | None) -> dict[str, st
     return message
 
 
-def _output_budget(
-    num_prompt_tokens: int, max_tokens: int | None, info: EngineInfo, *, prompt_param: str
-) -> int:
-    """Tokens the request may generate: `max_tokens`, or what the context has left when it is
-    null. An empty prompt, a prompt that leaves no room, or a `max_tokens` beyond the context
-    is a 400. (A `max_tokens` below 1 is left to SamplingParams to refuse.)"""
-    if num_prompt_tokens == 0:
-        raise APIError(
-            "the prompt is empty: it must encode to at least one token", param=prompt_param
-        )
-    limit = info.max_model_len
-    if num_prompt_tokens >= limit:
-        raise APIError(
-            f"This model's maximum context length is {limit} tokens. However, your prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for the completion. Please reduce "
-            "the length of the prompt.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        return limit - num_prompt_tokens
-    if max_tokens >= 1 and num_prompt_tokens + max_tokens > limit:
-        raise APIError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion). Please reduce the length of the prompt or "
-            "max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return max_tokens
-
-
-def _sampling_params(body: SamplingFields, max_tokens: int, info: EngineInfo) -> SamplingParams:
-    bad = [t for t in body.stop_token_ids or () if not 0 <= t < info.vocab_size]
-    if bad:
-        raise APIError(
-            f"stop token id {bad[0]} is outside the vocabulary (0..{info.vocab_size - 1})",
-            param="stop_token_ids",
-        )
+def _sampling_params(
+    body: SamplingFields,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    limits: EngineLimits,
+    prompt_param: str,
+) -> SamplingParams:
+    """The request's sampling parameters, once its prompt and stop token ids fit the engine's
+    limits (checked here too, so the client's 400 comes without a call to the engine:
+    `replicas/limits.py`)."""
+    try:
+        budget = limits.output_budget(prompt_ids, max_tokens, prompt_param=prompt_param)
+        stop_ids = body.stop_token_ids or ()
+        limits.check_token_ids(stop_ids, param="stop_token_ids", what="stop token id")
+    except LimitExceeded as e:
+        raise APIError(e.message, param=e.param, code=e.code) from e
     try:
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=budget,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k_or_none,
             seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
+            stop_token_ids=tuple(stop_ids),
             ignore_eos=body.ignore_eos,
         )
     except ValueError as e:

@@ -20,6 +20,7 @@ from replicas.adapters.registry import ServedAdapters
 from replicas.config import EngineConfig
 from replicas.engine_stats import EngineStats, RoutingStats, StepTiming
 from replicas.kv_cache import BlockAllocator
+from replicas.limits import EngineLimits, LimitExceeded
 from replicas.model_runner import ModelRunner
 from replicas.models.spec import ModelSpec
 from replicas.request import Request, RequestOutput, RequestStatus
@@ -46,6 +47,7 @@ class Engine:
             config.max_model_len or self.spec.max_position_embeddings,
             self.spec.max_position_embeddings,
         )
+        self.limits = EngineLimits(self.max_model_len, self.spec.vocab_size)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids + config.eos_token_ids)
         runner_cls = ModelRunner if config.timed_steps is None else TimedRunner
         self.runner = runner_cls(config, self.spec, self.max_model_len)
@@ -98,17 +100,11 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejected with a message fit for the client."""
-        n, limit = request.num_prompt_tokens, self.max_model_len
-        if n + request.sampling.max_tokens > limit:
-            raise RequestRejected(
-                f"this model's maximum context length is {limit} tokens; the request has "
-                f"{n} prompt tokens and asks for {request.sampling.max_tokens} more"
-            )
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise RequestRejected(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
-            )
+        # Every path to the model comes through here: the limits' one owner (replicas/limits.py).
+        try:
+            self.limits.check_request(request.prompt_token_ids, request.sampling)
+        except LimitExceeded as e:
+            raise RequestRejected(str(e)) from e
         if request.adapter is not None:
             try:
                 # From here on the request goes by its adapter's version: an unload and reload
