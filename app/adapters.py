@@ -25,6 +25,7 @@ from typing import Literal
 from replicas.adapters.hub import HubRef, Location, location_of
 from replicas.adapters.layout import check_adapter_files
 from replicas.adapters.peft_config import AdapterError
+from replicas.errors import ErrorKind
 
 __all__ = [
     "AdapterError",
@@ -58,7 +59,7 @@ class AdapterInfo:
 def validate_adapter_dir(path: str | Path, max_lora_rank: int) -> AdapterInfo:
     """Check a PEFT LoRA folder without reading its tensors (the weights file's header only).
 
-    Raises `AdapterError` (status 404 when the folder does not exist, 400 otherwise): no or
+    Raises `AdapterError` (NOT_FOUND when the folder does not exist, INVALID otherwise): no or
     unparsable adapter_config.json, peft_type other than LORA, a rank above `max_lora_rank`, a
     target outside q/k/v/o/gate/up/down_proj, no adapter_model.safetensors (pickle `.bin`
     weights are refused), a weights file that is not well-formed safetensors (truncated, a
@@ -240,8 +241,8 @@ class AdapterRegistry:
                 if await self._serve_from_hub(name):
                     return name
             except AdapterError as e:
-                raise AdapterError(f"The model `{model}` cannot be served: {e}", e.status) from e
-        raise AdapterError(f"The model `{model}` does not exist.", status=404)
+                raise AdapterError(f"The model `{model}` cannot be served: {e}", e.kind) from e
+        raise AdapterError(f"The model `{model}` does not exist.", ErrorKind.NOT_FOUND)
 
     def _root_folder(self, name: str) -> Path | None:
         if self.adapter_root is None:
@@ -269,8 +270,8 @@ class AdapterRegistry:
                 validate_adapter_dir, self.adapter_root / name, self.max_lora_rank
             )
         except AdapterError as e:
-            if e.status == 404:
+            if e.kind is ErrorKind.NOT_FOUND:
                 return False
-            raise AdapterError(f"adapter `{name}` cannot be served: {e}", e.status) from e
+            raise AdapterError(f"adapter `{name}` cannot be served: {e}", e.kind) from e
         self._entries[name] = RegisteredAdapter(info.path, "adapter_root")
         return True

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from app.fleet import ServeFleetClient
+from replicas.errors import ErrorKind
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
 
 if TYPE_CHECKING:
@@ -230,5 +231,5 @@ def _failed(rid: str, message: str) -> GenerateChunk:
     return GenerateChunk(
         rid,
         finish_reason="error",
-        error=EngineError(message, 503, "ServiceUnavailableError"),
+        error=EngineError(message, ErrorKind.UNAVAILABLE),
     )

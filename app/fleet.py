@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from app.adapters import FleetView
 from replicas.adapter_ledger import AdapterEntry, LedgerStore
+from replicas.errors import ErrorKind, ServingError
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -64,16 +65,17 @@ class ReplicaReply:
         return self.error is None
 
     @property
-    def status(self) -> int | None:
-        """The HTTP status an engine refusal carries (`RequestRejected.status`), else None."""
-        return getattr(self.error, "status", None) if self.error is not None else None
+    def kind(self) -> ErrorKind | None:
+        """The kind of an engine refusal (a `RequestRejected`, which Ray's wrapper of it still
+        is), else None."""
+        return self.error.kind if isinstance(self.error, ServingError) else None
 
     @property
     def reason(self) -> str:
         """What a client may read of the failure: an engine refusal's own message (it carries a
-        `status`), else a fixed text. Ray's errors name actors, process ids, hosts and classes:
+        `kind`), else a fixed text. Ray's errors name actors, process ids, hosts and classes:
         those stay in `detail`, for the log."""
-        if self.status is not None:
+        if self.kind is not None:
             return self.detail
         if isinstance(self.error, TimeoutError):
             return REPLICA_TIMED_OUT

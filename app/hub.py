@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from replicas.adapters.hub import HUB_SCHEME, HubAccess, HubAdapter, HubError, HubRef, inspect
+from replicas.errors import ErrorKind
 
 logger = logging.getLogger("ray.serve")
 
@@ -78,7 +79,7 @@ class HubAdapters:
         except TimeoutError:
             raise HubError(
                 f"the hub did not answer for {ref} within {self.access.timeout_s:g} s; retry later",
-                503,
+                ErrorKind.UNAVAILABLE,
             ) from None
 
     def _done(self, ref: HubRef, future: asyncio.Future[HubAdapter]) -> None:

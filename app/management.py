@@ -47,6 +47,7 @@ from app.protocol import (
     UnloadLoraAdapterRequest,
 )
 from replicas.adapters.hub import HUB_SCHEME, HubError, HubRef, Location
+from replicas.errors import ErrorKind
 
 logger = logging.getLogger("ray.serve")
 
@@ -104,7 +105,8 @@ class AdapterAdmin:
                 raise APIError("no engine replica is running", 503)
             if failed:
                 await self._undo_load(name, load_id)
-                raise _fleet_error(f"could not load adapter {name!r}", replies, failed)
+                error = _fleet_error(f"could not load adapter {name!r}", replies, failed)
+                raise APIError.of(error.kind, error.message)
             self.registry.add(name, path)
             self._ranks[path] = rank
         logger.info("loaded adapter %s from %s on %d replica(s)", name, path, len(replies))
@@ -120,7 +122,9 @@ class AdapterAdmin:
         try:
             info = await asyncio.to_thread(validate_adapter_dir, path, self.registry.max_lora_rank)
         except AdapterError as e:
-            raise APIError(f"cannot load adapter {name!r}: {e}", e.status, param="lora_path") from e
+            raise APIError.of(
+                e.kind, f"cannot load adapter {name!r}: {e}", param="lora_path"
+            ) from e
         return path, info.rank
 
     async def _hub_adapter(self, name: str, lora_path: str) -> tuple[HubRef, int]:
@@ -141,7 +145,9 @@ class AdapterAdmin:
         try:
             adapter = await self.hub.inspect(ref)
         except HubError as e:
-            raise APIError(f"cannot load adapter {name!r}: {e}", e.status, param="lora_path") from e
+            raise APIError.of(
+                e.kind, f"cannot load adapter {name!r}: {e}", param="lora_path"
+            ) from e
         return adapter.ref, adapter.rank
 
     async def serve_from_hub(self, name: str) -> bool:
@@ -167,14 +173,13 @@ class AdapterAdmin:
             replies = await self.fleet.broadcast_load_adapter(name, location, False, load_id)
             failed = [r for r in replies if not r.ok]
             if not replies:
-                raise AdapterError("no engine replica is running", 503)
+                raise AdapterError("no engine replica is running", ErrorKind.UNAVAILABLE)
             if failed:
                 await self._undo_load(name, load_id)
                 await self.registry.refresh()
                 if name in self.registry.entries:
                     return True
-                error = _fleet_error(f"could not load adapter {name!r}", replies, failed)
-                raise AdapterError(error.message, error.status)
+                raise _fleet_error(f"could not load adapter {name!r}", replies, failed)
             self.registry.add(name, adapter.ref, "hub")
             self._ranks[adapter.ref] = adapter.rank
         logger.info("serving hub adapter %s on %d replica(s)", adapter.ref, len(replies))
@@ -182,7 +187,7 @@ class AdapterAdmin:
 
     async def _undo_load(self, name: str, load_id: str) -> None:
         replies = await self.fleet.broadcast_unload_adapter(name, load_id)
-        stuck = [r for r in replies if not r.ok and r.status != 404]
+        stuck = [r for r in replies if not r.ok and r.kind is not ErrorKind.NOT_FOUND]
         if stuck:
             logger.error(
                 "undoing the partial load of adapter %s failed on %d replica(s): %s",
@@ -206,12 +211,13 @@ class AdapterAdmin:
             if not replies:
                 raise APIError("no engine replica is running", 503)
             done = [r for r in replies if r.ok]
-            failed = [r for r in replies if not r.ok and r.status != 404]
+            failed = [r for r in replies if not r.ok and r.kind is not ErrorKind.NOT_FOUND]
             if done or not failed:
                 # Gone from (at least part of) the fleet: this ingress stops sending it now.
                 self.registry.remove(name)
             if failed:
-                raise _fleet_error(f"could not unload adapter {name!r}", replies, failed)
+                error = _fleet_error(f"could not unload adapter {name!r}", replies, failed)
+                raise APIError.of(error.kind, error.message)
             if not done:
                 raise not_found
         logger.info("unloaded adapter %s on %d replica(s)", name, len(done))
@@ -313,13 +319,15 @@ def _replica_state(reply: ReplicaReply) -> ReplicaState:
     return ReplicaState(replica_id=reply.replica_id, available=True)
 
 
-def _fleet_error(what: str, replies: list[ReplicaReply], failed: list[ReplicaReply]) -> APIError:
-    """One error for a broadcast that failed on some replicas: the replicas' own status when they
-    all refused alike (400 bad adapter or name in use, 404), else 503."""
+def _fleet_error(
+    what: str, replies: list[ReplicaReply], failed: list[ReplicaReply]
+) -> AdapterError:
+    """One error for a broadcast that failed on some replicas: the replicas' own kind when they
+    all refused alike (INVALID bad adapter or name in use, NOT_FOUND), else UNAVAILABLE."""
     logger.warning("%s on %d of %d engine replica(s): %s", what, len(failed), len(replies),
                    failed[0].detail)  # fmt: skip
-    statuses = {r.status for r in failed}
-    alike = statuses.pop() if len(statuses) == 1 else None
-    status = alike if alike is not None else 503
+    kinds = {r.kind for r in failed}
+    alike = kinds.pop() if len(kinds) == 1 else None
+    kind = alike if alike is not None else ErrorKind.UNAVAILABLE
     message = f"{what} on {len(failed)} of {len(replies)} engine replica(s): {failed[0].reason}"
-    return APIError(message, status)
+    return AdapterError(message, kind)

@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from replicas.errors import ErrorKind
+
 MAX_STOP_SEQUENCES = 4
 
 
@@ -57,6 +59,16 @@ _ERROR_TYPES = {
 }
 
 
+# The one place a kind of error becomes an HTTP status; the statuses of the HTTP layer itself
+# (401, 403, 405, 413) are raised by the ingress as they are.
+HTTP_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.INTERNAL: 500,
+}
+
+
 def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
 
@@ -84,6 +96,18 @@ class APIError(Exception):
         self.type = type or error_type(status)
         self.param = param
         self.code = code
+
+    @classmethod
+    def of(
+        cls,
+        kind: ErrorKind,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> APIError:
+        """The answer to an error of this kind: its HTTP status and OpenAI error type."""
+        return cls(message, HTTP_STATUS[kind], param=param, code=code)
 
     @property
     def headers(self) -> dict[str, str]:

@@ -43,6 +43,7 @@ from app.streaming import (
 )
 from app.tokenization import ChatTemplateError, TextStream, TokenizerPool
 from replicas.adapters.hub import HubAccess
+from replicas.errors import ErrorKind
 from replicas.limits import EngineLimits, LimitExceeded
 from replicas.protocol import GenerateChunk, GenerateRequest
 from replicas.request import SamplingParams
@@ -122,8 +123,8 @@ class OpenAIService:
         try:
             return await self.registry.resolve(model)
         except AdapterError as e:
-            code = {404: "model_not_found", 400: "invalid_adapter"}.get(e.status)
-            raise APIError(str(e), e.status, param="model", code=code) from e
+            code = {ErrorKind.NOT_FOUND: "model_not_found", ErrorKind.INVALID: "invalid_adapter"}
+            raise APIError.of(e.kind, str(e), param="model", code=code.get(e.kind)) from e
 
     async def engine_limits(self) -> EngineLimits:
         """The engine's limits, asked once (the first request waits for the engine to be up)."""

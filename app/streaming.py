@@ -38,6 +38,7 @@ from app.protocol import (
     UsageInfo,
 )
 from app.tokenization import TextStream
+from replicas.errors import ErrorKind
 from replicas.protocol import GenerateChunk
 
 logger = logging.getLogger("ray.serve")
@@ -61,11 +62,11 @@ async def next_chunk(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
 
 
 def raise_engine_error(chunk: GenerateChunk) -> None:
-    """An engine refusal as the client's error; an engine fault (500) as a plain one, its
+    """An engine refusal as the client's error; an engine fault (INTERNAL) as a plain one, its
     message (which may carry internals) to the log."""
     error = chunk.error
-    if error is not None and error.status != 500:
-        raise APIError(error.message, error.status, type=error.type)
+    if error is not None and error.kind is not ErrorKind.INTERNAL:
+        raise APIError.of(error.kind, error.message, param=error.param, code=error.code)
     if chunk.finish_reason == "error":
         if error is not None:
             logger.error("request %s failed in the engine: %s", chunk.request_id, error.message)

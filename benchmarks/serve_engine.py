@@ -14,8 +14,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from app.protocol import HTTP_STATUS
 from benchmarks.loadgen.records import Outcome, RequestRecord
 from replicas.engine import Engine, RequestRejected
+from replicas.errors import ErrorKind
 from replicas.request import Request, SamplingParams
 from workloads.requests import RequestSpec
 
@@ -67,7 +69,7 @@ def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]
             try:
                 engine.add_request(request)
             except RequestRejected as e:
-                line.error, line.status = str(e), e.status
+                line.error, line.status = str(e), HTTP_STATUS[e.kind]
 
     while next_due < len(pending) or engine.has_work:
         add_due()
@@ -83,7 +85,10 @@ def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]
             if out.new_token_ids:
                 line.stamps.extend([stamp] * len(out.new_token_ids))
             if out.error:
-                line.error, line.status = out.error, 500
+                line.error, line.status = (
+                    out.error,
+                    HTTP_STATUS[out.error_kind or ErrorKind.INTERNAL],
+                )
         if engine.stalled:
             time.sleep(0.0005)
     end = max((t.stamps[-1] for t in timelines.values() if t.stamps), default=time.monotonic())

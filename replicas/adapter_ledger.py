@@ -22,6 +22,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from replicas.errors import ErrorKind, ServingError
+
 
 @dataclass(frozen=True)
 class AdapterEntry:
@@ -134,7 +136,7 @@ def reconcile(
 
 class AdapterEngine(Protocol):
     """What `LedgerFollower` needs of the engine (`replicas.engine.Engine`): its load and unload
-    raise an exception with `.status` (404: not served) when refused."""
+    raise a `ServingError` (NOT_FOUND: not served) when refused."""
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None: ...
 
@@ -143,18 +145,18 @@ class AdapterEngine(Protocol):
     def served_adapters(self) -> Any: ...  # `.adapters`: {name: path}
 
 
-class LoadMismatch(LookupError):
+class LoadMismatch(ServingError, LookupError):
     """An undo (`unload(name, load_id)`) of a load that is not what registered `name` here."""
 
-    status = 404
+    default_kind = ErrorKind.NOT_FOUND
 
 
-class Superseded(LookupError):
+class Superseded(ServingError, LookupError):
     """An unload that finds, as of its version, the name not loaded here: it is older than the
     last change applied to the name, or a catch-up applied its version first and found nothing
     to unload."""
 
-    status = 404
+    default_kind = ErrorKind.NOT_FOUND
 
 
 class LedgerFollower:
@@ -264,7 +266,7 @@ class LedgerFollower:
         try:
             engine.unload_adapter(name)
         except Exception as e:
-            if getattr(e, "status", None) != 404:
+            if not (isinstance(e, ServingError) and e.kind is ErrorKind.NOT_FOUND):
                 raise
             return False
         finally:

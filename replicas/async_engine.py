@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from replicas.engine import Engine, RequestRejected
+from replicas.errors import ErrorKind
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
 from replicas.request import Request, RequestOutput
 
@@ -157,12 +158,14 @@ class AsyncEngine:
         While `channel_key`'s channel is open, the tokens between the first chunk and the last
         go there instead."""
         if not self.alive:
-            yield _error_chunk(request.request_id, "the engine is not running", 503)
+            yield _error_chunk(
+                request.request_id, EngineError("the engine is not running", ErrorKind.UNAVAILABLE)
+            )
             return
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), channel_key)
         with self._lock:
             if request.request_id in self._streams:
-                yield _error_chunk(request.request_id, "duplicate request id", 400)
+                yield _error_chunk(request.request_id, EngineError("duplicate request id"))
                 return
             self._streams[request.request_id] = stream
         self._post(_Add(request))
@@ -322,7 +325,10 @@ class AsyncEngine:
                     self.num_aborted += 1
                     logger.debug("aborted request %s", request_id)
                     if message is not None:
-                        self._send(request_id, _error_chunk(request_id, message, 503))
+                        self._send(
+                            request_id,
+                            _error_chunk(request_id, EngineError(message, ErrorKind.UNAVAILABLE)),
+                        )
 
     def _add(self, request: GenerateRequest) -> None:
         try:
@@ -335,9 +341,9 @@ class AsyncEngine:
                 )
             )
         except RequestRejected as e:
-            self._send(request.request_id, _error_chunk(request.request_id, str(e), e.status))
+            self._send(request.request_id, _error_chunk(request.request_id, EngineError.of(e)))
         except ValueError as e:
-            self._send(request.request_id, _error_chunk(request.request_id, str(e), 400))
+            self._send(request.request_id, _error_chunk(request.request_id, EngineError(str(e))))
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, handed to each caller loop in one callback: one wake-up of the loop
@@ -393,8 +399,7 @@ class AsyncEngine:
 def _chunk(output: RequestOutput, start: int) -> GenerateChunk:
     error = None
     if output.error is not None:
-        status = output.error_status or (500 if output.error.startswith("internal") else 400)
-        error = EngineError(output.error, status, _error_type(status))
+        error = EngineError(output.error, output.error_kind or ErrorKind.INTERNAL)
     return GenerateChunk(
         output.request_id,
         list(output.new_token_ids),
@@ -420,16 +425,8 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
         future.set_result(result)
 
 
-def _error_type(status: int) -> str:
-    return {404: "NotFoundError", 503: "ServiceUnavailableError", 500: "InternalServerError"}.get(
-        status, "BadRequestError"
-    )
-
-
-def _error_chunk(request_id: str, message: str, status: int) -> GenerateChunk:
-    return GenerateChunk(
-        request_id, [], "error", 0, EngineError(message, status, _error_type(status))
-    )
+def _error_chunk(request_id: str, error: EngineError) -> GenerateChunk:
+    return GenerateChunk(request_id, [], "error", 0, error)
 
 
 def _merge(a: GenerateChunk, b: GenerateChunk) -> GenerateChunk:

@@ -232,7 +232,7 @@ class EngineDeployment:
         load_id: str | None = None,
         version: int | None = None,
     ) -> None:
-        """Raises RequestRejected (with `.status`) for a bad adapter or a name in use. `load_id`
+        """Raises RequestRejected (with its `kind`) for a bad adapter or a name in use. `load_id`
         marks this load, so that undoing it (`unload_adapter(name, load_id)`) never removes an
         adapter of the same name that another load registered. `version` is the ledger
         version of this change (an older ledger entry never undoes it)."""
@@ -241,14 +241,14 @@ class EngineDeployment:
     async def unload_adapter(
         self, name: str, load_id: str | None = None, version: int | None = None
     ) -> None:
-        """New requests for `name` get 404; queued and running ones finish. With `load_id`, only
-        when that load is what registered `name` here. Raises RequestRejected 404 otherwise, or
-        when `name` is not loaded. An unload of a `version` this replica already applied from
-        the ledger succeeds."""
+        """New requests for `name` are refused (NOT_FOUND); queued and running ones finish. With
+        `load_id`, only when that load is what registered `name` here. Raises RequestRejected
+        NOT_FOUND otherwise, or when `name` is not loaded. An unload of a `version` this replica
+        already applied from the ledger succeeds."""
         try:
             await self.engine.call(self.follower.unload, name, load_id, version)
         except (LoadMismatch, Superseded) as e:
-            raise RequestRejected(str(e), 404) from e
+            raise RequestRejected.of(e) from e
 
     async def sync_adapters(self) -> list[str]:
         """Catch up with the ledger (every `LEDGER_SYNC_S` under Serve): load and unload what

@@ -19,6 +19,7 @@ from replicas.adapters.peft_config import AdapterError
 from replicas.adapters.registry import ServedAdapters
 from replicas.config import EngineConfig
 from replicas.engine_stats import EngineStats, RoutingStats, StepTiming
+from replicas.errors import ErrorKind, ServingError
 from replicas.kv_cache import BlockAllocator
 from replicas.limits import EngineLimits, LimitExceeded
 from replicas.model_runner import ModelRunner
@@ -31,12 +32,13 @@ logger = logging.getLogger(__name__)
 STEP_LOG = 1 << 14  # step timings kept (the most recent)
 
 
-class RequestRejected(ValueError):
-    """A request the engine refuses before queueing it. `status` is the HTTP status."""
+class RequestRejected(ServingError, ValueError):
+    """A request the engine refuses before queueing it (or an adapter it will not load or
+    unload), with the kind of the refusal and, for a request's limits, the field at fault."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+    @classmethod
+    def of(cls, error: ServingError) -> RequestRejected:
+        return cls(error.message, error.kind, param=error.param, code=error.code)
 
 
 class Engine:
@@ -104,14 +106,14 @@ class Engine:
         try:
             self.limits.check_request(request.prompt_token_ids, request.sampling)
         except LimitExceeded as e:
-            raise RequestRejected(str(e)) from e
+            raise RequestRejected.of(e) from e
         if request.adapter is not None:
             try:
                 # From here on the request goes by its adapter's version: an unload and reload
                 # of the name while it runs leaves it on the weights it started with.
                 request.adapter = self.adapters.resolve(request.adapter)
             except AdapterError as e:
-                raise RequestRejected(str(e), e.status) from e
+                raise RequestRejected.of(e) from e
             request.cold_adapter = not self.adapters.is_resident(request.adapter)
         self.scheduler.add(request)
         self.adapters.note_arrival()
@@ -120,20 +122,20 @@ class Engine:
         """Serve a new adapter by name, its weights file checked against the model (header and
         layout; no tensor data is read). The name may have been unloaded a moment ago with
         requests still running on it: they finish on the old weights, new ones get these.
-        Raises RequestRejected (400 bad files or name in use, 404 no such folder)."""
+        Raises RequestRejected (INVALID: bad files or name in use; NOT_FOUND: no such folder)."""
         try:
             self.adapters.register(name, path, pinned=pinned)
         except AdapterError as e:
-            raise RequestRejected(str(e), e.status) from e
+            raise RequestRejected.of(e) from e
 
     def unload_adapter(self, name: str) -> None:
-        """New requests for `name` get 404 and the name is free to load again at once; queued
-        and running ones finish on the old weights, whose slot is freed with the last of them.
-        Raises RequestRejected 404 when `name` is not served."""
+        """New requests for `name` are refused (NOT_FOUND) and the name is free to load again at
+        once; queued and running ones finish on the old weights, whose slot is freed with the last
+        of them. Raises RequestRejected NOT_FOUND when `name` is not served."""
         try:
             self.adapters.unregister(name)
         except AdapterError as e:
-            raise RequestRejected(str(e), e.status) from e
+            raise RequestRejected.of(e) from e
 
     def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
         """Someone outside the engine (the router) expects a request for `adapter` in `eta_s`
@@ -229,7 +231,7 @@ class Engine:
         outputs = [
             RequestOutput(
                 r.request_id, [], r.finish_reason, r.error, r.num_prompt_tokens,
-                error_status=r.error_status,
+                error_kind=r.error_kind,
             )
             for r in sched.failed
         ]
@@ -316,12 +318,15 @@ class Engine:
         self.adapters.shutdown()
 
     def abort_all(self, message: str) -> list[RequestOutput]:
-        """Fail every request (after an unrecoverable step error)."""
+        """Fail every request (after an unrecoverable step error): an INTERNAL error each."""
         outputs = []
         for request in list(self.scheduler.requests()):
             self.scheduler.abort(request.request_id)
             self.runner.forget(request.request_id)
             outputs.append(
-                RequestOutput(request.request_id, [], "error", message, request.num_prompt_tokens)
+                RequestOutput(
+                    request.request_id, [], "error", message, request.num_prompt_tokens,
+                    error_kind=ErrorKind.INTERNAL,
+                )
             )
         return outputs

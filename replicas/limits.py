@@ -15,18 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from replicas.errors import ServingError
 from replicas.request import SamplingParams
 
 
-class LimitExceeded(ValueError):
-    """A request the model cannot take. `param` names the request field at fault (OpenAI's
-    error `param`); `code` is OpenAI's error code, when it has one."""
-
-    def __init__(self, message: str, *, param: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+class LimitExceeded(ServingError, ValueError):
+    """A request the model cannot take (INVALID). `param` names the request field at fault
+    (OpenAI's error `param`); `code` is OpenAI's error code, when it has one."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from replicas.errors import ErrorKind, ServingError
 from replicas.request import SamplingParams
 
 
@@ -28,11 +29,17 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class EngineError:
-    """A refusal with the HTTP status the ingress should answer with."""
+    """Why a request failed, as data: a `ServingError`'s message, kind, `param` and `code`.
+    The ingress answers it with the HTTP status and error type of its kind."""
 
     message: str
-    status: int = 400  # 400 bad request, 404 unknown adapter, 503 overloaded, 500 internal
-    type: str = "BadRequestError"
+    kind: ErrorKind = ErrorKind.INVALID
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def of(cls, error: ServingError) -> EngineError:
+        return cls(error.message, error.kind, error.param, error.code)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from replicas.errors import ErrorKind
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -74,7 +76,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     slot: int | None = None
     error: str | None = None
-    error_status: int | None = None  # the HTTP status its error answers with (None: 400)
+    error_kind: ErrorKind | None = None  # set with `error`: what kind of failure it is
     admitted_at: float | None = None  # first admission (time.monotonic)
     cold_adapter: bool = False  # its adapter was not in a GPU slot when it arrived
 
@@ -141,7 +143,7 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     metrics: dict[str, float] | None = None  # on the last output: queue_s, adapter_wait_s
-    error_status: int | None = None  # for `error`: 404, 503 (None: 400, or 500 if "internal")
+    error_kind: ErrorKind | None = None  # set with `error`: what kind of failure it is
 
     @property
     def finished(self) -> bool:

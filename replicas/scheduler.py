@@ -57,19 +57,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from replicas.errors import ServingError
 from replicas.kv_cache import BlockAllocator, blocks_for
 from replicas.request import Request, RequestStatus
 
 RESERVE_CLIP_TOKENS = 4096  # the most remaining output one request counts for (KV headroom)
 
 
-class AdapterLoadError(RuntimeError):
+class AdapterLoadError(ServingError, RuntimeError):
     """An adapter could not be made resident (bad files, unknown name, a failed download). Fails
-    only its request, with `status` (400 bad files, 404 gone, 503 the hub failed)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+    only its request, with its `kind` (INVALID bad files, NOT_FOUND gone, UNAVAILABLE the hub
+    failed)."""
 
 
 class AdapterGate(Protocol):
@@ -256,7 +254,7 @@ class Scheduler:
                 except AdapterLoadError as e:
                     self.waiting.remove(request)
                     request.error = str(e)
-                    request.error_status = e.status
+                    request.error_kind = e.kind
                     self._finish(request, RequestStatus.FINISHED_ERROR)
                     out.failed.append(request)
                     continue

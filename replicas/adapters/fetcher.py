@@ -23,6 +23,7 @@ from pathlib import Path
 
 from replicas.adapters.hub import HubRef
 from replicas.adapters.peft_config import AdapterError
+from replicas.errors import ErrorKind
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,7 +34,7 @@ RETRY_AFTER_S = 1.0
 @dataclass(frozen=True)
 class FetchFailure:
     message: str
-    status: int
+    kind: ErrorKind
     until: float  # clock time after which a new download may start
 
 
@@ -98,10 +99,15 @@ class HubFetcher:
                 try:
                     self._folders[ref] = download.future.result()
                 except AdapterError as e:
-                    self._fail(ref, str(e), e.status, now)
+                    self._fail(ref, str(e), e.kind, now)
                 except Exception as e:  # a bug, not the hub: still no 500 for the request
                     logger.exception("downloading %s failed", ref)
-                    self._fail(ref, f"could not download {ref}: {type(e).__name__}", 503, now)
+                    self._fail(
+                        ref,
+                        f"could not download {ref}: {type(e).__name__}",
+                        ErrorKind.UNAVAILABLE,
+                        now,
+                    )
                 else:
                     self.downloads += 1
                     self._failures.pop(ref, None)
@@ -110,7 +116,7 @@ class HubFetcher:
                     f"the hub did not deliver {ref} within {self.timeout_s:g} s; the download "
                     "goes on, retry later"
                 )
-                self._fail(ref, message, 503, now)
+                self._fail(ref, message, ErrorKind.UNAVAILABLE, now)
 
     def forget(self, ref: HubRef) -> None:
         """Drop what is known of `ref` (its folder, a failure); a download running goes on."""
@@ -120,5 +126,5 @@ class HubFetcher:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _fail(self, ref: HubRef, message: str, status: int, now: float) -> None:
-        self._failures[ref] = FetchFailure(message, status, now + self.retry_after_s)
+    def _fail(self, ref: HubRef, message: str, kind: ErrorKind, now: float) -> None:
+        self._failures[ref] = FetchFailure(message, kind, now + self.retry_after_s)

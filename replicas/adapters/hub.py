@@ -16,13 +16,13 @@ Access follows the Hugging Face environment of the process: `HF_ENDPOINT` (the h
 `HF_HOME` (the cache) and `HF_HUB_OFFLINE=1` (no network: only what the cache holds is served,
 pinned by the cache's own refs).
 
-Failures are `HubError`s (an `AdapterError`) with the status a client should get: 404 for a
-repo or revision the hub does not have (or will not show this server: a private repo without a
-token), 400 for a repo that is not a servable adapter, 503 for a hub that cannot be reached or
-fails. Their messages name the hub reference, never a path of the cache; the library's own
-error goes to the log. A download that fails leaves nothing a later one would trust:
-`huggingface_hub` writes into `*.incomplete` files and links a file into the commit's folder
-only once it is whole.
+Failures are `HubError`s (an `AdapterError`) of the kind a client should get: NOT_FOUND for
+a repo or revision the hub does not have (or will not show this server: a private repo without
+a token), INVALID for a repo that is not a servable adapter, UNAVAILABLE for a hub that cannot
+be reached or fails. Their messages name the hub reference, never a path of the cache; the
+library's own error goes to the log. A download that fails leaves nothing a later one would
+trust: `huggingface_hub` writes into `*.incomplete` files and links a file into the commit's
+folder only once it is whole.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from replicas.adapters.peft_config import (
     AdapterError,
     read_adapter_config,
 )
+from replicas.errors import ErrorKind
 
 logger = logging.getLogger("ray.serve")
 
@@ -112,7 +113,7 @@ def location_of(text: str | Location) -> Location:
 
 
 class HubError(AdapterError):
-    """A hub adapter that cannot be served now; `status` 404, 400 or 503."""
+    """A hub adapter that cannot be served now: NOT_FOUND, INVALID or UNAVAILABLE."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def download(ref: HubRef, access: HubAccess) -> Path:
     """Download a pinned adapter's config and weights into the cache (or find them there) and
     return the folder holding both. Raises HubError."""
     if not ref.pinned:
-        raise HubError(f"{ref} is not pinned to a commit", 400)
+        raise HubError(f"{ref} is not pinned to a commit")
     try:
         _download(ref, CONFIG_FILE, access)
         weights = Path(_download(ref, WEIGHTS_FILE, access))
@@ -205,7 +206,7 @@ def read_config(
     try:
         return read_adapter_config(folder, max_lora_rank, require_weights=require_weights)
     except AdapterError as e:
-        raise HubError(scrub(str(e), folder, ref), 400) from e
+        raise HubError(scrub(str(e), folder, ref)) from e
 
 
 def scrub(message: str, folder: Path, ref: HubRef) -> str:
@@ -227,25 +228,29 @@ def hub_error(error: BaseException, ref: HubRef, access: HubAccess) -> HubError:
 
     logger.warning("hub adapter %s: %r", ref, error)
     if isinstance(error, RevisionNotFoundError):
-        return HubError(f"the hub has no revision {ref.revision!r} of {ref.repo_id}", 404)
+        return HubError(
+            f"the hub has no revision {ref.revision!r} of {ref.repo_id}", ErrorKind.NOT_FOUND
+        )
     if isinstance(error, RepositoryNotFoundError):
         return HubError(
             f"the hub has no repo {ref.repo_id} that this server may read (a private or gated "
             "repo needs HF_TOKEN set on every node)",
-            404,
+            ErrorKind.NOT_FOUND,
         )
     if isinstance(error, RemoteEntryNotFoundError):
-        return HubError(f"{ref} is not a PEFT LoRA adapter: a file it needs is missing", 400)
+        return HubError(f"{ref} is not a PEFT LoRA adapter: a file it needs is missing")
     if isinstance(error, LocalEntryNotFoundError | OfflineModeIsEnabled) and access.offline:
         return HubError(
             f"{ref} is not in this server's hub cache, and the hub is offline (HF_HUB_OFFLINE)",
-            404,
+            ErrorKind.NOT_FOUND,
         )
     if isinstance(error, HfHubHTTPError):
         status = getattr(error.response, "status_code", None)
         if status in (401, 403):
-            return HubError(f"the hub refuses this server access to {ref.repo_id}", 404)
-    return HubError(f"the hub did not deliver {ref}; retry later", 503)
+            return HubError(
+                f"the hub refuses this server access to {ref.repo_id}", ErrorKind.NOT_FOUND
+            )
+    return HubError(f"the hub did not deliver {ref}; retry later", ErrorKind.UNAVAILABLE)
 
 
 # -- internals ----------------------------------------------------------------------------------
@@ -259,28 +264,26 @@ def _listing(ref: HubRef, access: HubAccess) -> tuple[HubRef, dict[str, int | No
         ref.repo_id, revision=ref.revision, files_metadata=True, timeout=access.timeout_s
     )
     if not info.sha or not _COMMIT.fullmatch(info.sha):
-        raise HubError(f"the hub named no commit for {ref}; retry later", 503)
+        raise HubError(f"the hub named no commit for {ref}; retry later", ErrorKind.UNAVAILABLE)
     return ref.at(info.sha), {s.rfilename: s.size for s in info.siblings or ()}
 
 
 def _check_files(ref: HubRef, files: dict[str, int | None], max_bytes: int) -> int | None:
     """The weights file's size, once the listing shows a servable adapter. Raises HubError."""
     if CONFIG_FILE not in files:
-        raise HubError(f"{ref} is not a PEFT LoRA adapter: it has no {CONFIG_FILE}", 400)
+        raise HubError(f"{ref} is not a PEFT LoRA adapter: it has no {CONFIG_FILE}")
     if WEIGHTS_FILE not in files:
         if any(name.endswith(PICKLE_SUFFIXES) for name in files):
             raise HubError(
                 f"{ref} ships only pickle weights (.bin/.pt), which are refused for safety; it "
-                f"needs {WEIGHTS_FILE}",
-                400,
+                f"needs {WEIGHTS_FILE}"
             )
-        raise HubError(f"{ref} has no {WEIGHTS_FILE}", 400)
+        raise HubError(f"{ref} has no {WEIGHTS_FILE}")
     size = files[WEIGHTS_FILE]
     if size is not None and size > max_bytes:
         raise HubError(
             f"{ref}: {WEIGHTS_FILE} is {size} bytes, above this server's cap of {max_bytes} "
-            "(the app arg max_hub_adapter_gib)",
-            400,
+            "(the app arg max_hub_adapter_gib)"
         )
     return size
 
@@ -309,13 +312,12 @@ def _cached_size(ref: HubRef, access: HubAccess) -> int:
     if not isinstance(path, str):
         raise HubError(
             f"{ref} is not in this server's hub cache, and the hub is offline (HF_HUB_OFFLINE)",
-            404,
+            ErrorKind.NOT_FOUND,
         )
     size = os.path.getsize(path)
     if size > access.max_bytes:
         raise HubError(
             f"{ref}: {WEIGHTS_FILE} is {size} bytes, above this server's cap of "
-            f"{access.max_bytes} (the app arg max_hub_adapter_gib)",
-            400,
+            f"{access.max_bytes} (the app arg max_hub_adapter_gib)"
         )
     return size

@@ -178,7 +178,7 @@ class AdapterManager:
             try:
                 path = self._local_path(adapter)
             except AdapterError as e:
-                raise AdapterLoadError(str(e), e.status) from e
+                raise AdapterLoadError(str(e), e.kind) from e
             if path is None:  # downloading: never on the step, even in blocking mode
                 self._raise_failure(adapter)
                 return False
@@ -361,7 +361,7 @@ class AdapterManager:
         try:
             path = self._local_path(adapter)
         except AdapterError as e:
-            self.reader.fail(adapter, str(e), e.status)
+            self.reader.fail(adapter, str(e), e.kind)
             self.queue.discard(adapter)  # as for a failed read: no prefetch retries it
             return True
         if path is None:
@@ -371,7 +371,7 @@ class AdapterManager:
     def _local_path(self, adapter: str) -> Path | None:
         """The adapter's folder on this node; None while a hub adapter is downloaded (started
         here if it is not yet). Raises AdapterError: an unknown key, or a download that failed
-        (with its status, while that failure stands)."""
+        (with its kind, while that failure stands)."""
         location = self.registry.path(adapter)
         if isinstance(location, Path):
             return location
@@ -380,7 +380,7 @@ class AdapterManager:
             return folder
         failure = self.fetcher.failure(location)
         if failure is not None:
-            raise AdapterError(failure.message, failure.status)
+            raise AdapterError(failure.message, failure.kind)
         self.fetcher.start(location)
         return None
 
@@ -394,8 +394,8 @@ class AdapterManager:
         failure = self.reader.take_failure(adapter)
         if failure is None:
             return
-        message, status = failure
+        message, kind = failure
         location = self.registry.path(adapter) if adapter in self.registry.keys() else None
         if isinstance(location, HubRef) and (folder := self.fetcher.folder(location)):
             message = scrub(message, folder, location)  # no path of this node's disk
-        raise AdapterLoadError(message, status)
+        raise AdapterLoadError(message, kind)

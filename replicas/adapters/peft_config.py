@@ -17,18 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from replicas.errors import ErrorKind, ServingError
 from replicas.models.spec import LORA_TARGETS
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 
 
-class AdapterError(ValueError):
-    """An adapter that cannot be served. `status` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+class AdapterError(ServingError, ValueError):
+    """An adapter that cannot be served: `kind` INVALID (bad files) unless given."""
 
 
 def peft_pattern_value(patterns: Mapping[str, float], module: str) -> float | None:
@@ -104,7 +101,7 @@ def read_adapter_config(
     (pickle-only weights refused); off for a hub adapter whose config came before its weights."""
     root = Path(path)
     if not root.is_dir():
-        raise AdapterError(f"adapter folder {str(root)!r} does not exist", status=404)
+        raise AdapterError(f"adapter folder {str(root)!r} does not exist", ErrorKind.NOT_FOUND)
     config_path = root / CONFIG_FILE
     if not config_path.is_file():
         raise AdapterError(f"adapter folder {str(root)!r} has no {CONFIG_FILE}")

@@ -19,6 +19,7 @@ from replicas.adapters.loader import AdapterFile, AdapterWeights, read_adapter_f
 from replicas.adapters.peft_config import AdapterError
 from replicas.adapters.policy import ReadTurns
 from replicas.adapters.stats import AdapterStats
+from replicas.errors import ErrorKind
 from replicas.models.spec import ModelSpec
 from replicas.scheduler import AdapterLoadError
 
@@ -65,7 +66,7 @@ class AdapterReader:
             max(turns.workers, READ_THREADS), thread_name_prefix="lora-read"
         )
         self._reads: dict[str, Future[AdapterWeights]] = {}
-        self._failed: dict[str, tuple[str, int]] = {}  # adapter -> (message, status)
+        self._failed: dict[str, tuple[str, ErrorKind]] = {}  # adapter -> (message, kind)
 
     def __contains__(self, adapter: str) -> bool:
         """A read of the adapter is running or done but not collected."""
@@ -92,17 +93,17 @@ class AdapterReader:
         self._reads[adapter] = self._pool.submit(self.read_file, adapter, path)
         return True
 
-    def fail(self, adapter: str, message: str, status: int = 400) -> None:
+    def fail(self, adapter: str, message: str, kind: ErrorKind = ErrorKind.INVALID) -> None:
         """Remember that `adapter` cannot be read (e.g. its name no longer resolves, or its
-        download failed), and the status its requests get."""
-        self._failed[adapter] = (message, status)
+        download failed), and the kind of error its requests get."""
+        self._failed[adapter] = (message, kind)
 
     def failed(self, adapter: str) -> bool:
         return adapter in self._failed
 
-    def take_failure(self, adapter: str) -> tuple[str, int] | None:
-        """Why the adapter could not be read and the status to answer with, once; None if it
-        did not fail."""
+    def take_failure(self, adapter: str) -> tuple[str, ErrorKind] | None:
+        """Why the adapter could not be read and the kind of error, once; None if it did not
+        fail."""
         return self._failed.pop(adapter, None)
 
     def finished(self) -> bool:
@@ -118,7 +119,7 @@ class AdapterReader:
         try:
             weights = future.result()
         except AdapterLoadError as e:
-            self._failed[adapter] = (str(e), e.status)
+            self._failed[adapter] = (str(e), e.kind)
             self.turns.drop(adapter)
             self._on_failure(adapter)
             return False

@@ -27,6 +27,7 @@ from typing import Literal
 
 from replicas.adapters.hub import HubRef, Location, location_of
 from replicas.adapters.peft_config import AdapterError, read_adapter_config
+from replicas.errors import ErrorKind
 
 Source = Literal["config", "runtime", "adapter_root"]
 
@@ -88,7 +89,7 @@ class VersionRegistry:
             version = self._add(name, folder, "adapter_root", pinned=name in self._pinned_names)
             self._checked.add(version.key)
         if version is None:
-            raise AdapterError(f"the model {name!r} does not exist", status=404)
+            raise AdapterError(f"the model {name!r} does not exist", ErrorKind.NOT_FOUND)
         if version.key not in self._checked:  # configured ones, on their first request
             if isinstance(version.path, Path):  # a hub adapter's files are checked when read
                 read_adapter_config(version.path, self.max_lora_rank)
@@ -135,7 +136,7 @@ class VersionRegistry:
         if version is not None:
             self.retired.add(version.key)
         elif name in self.unloaded or self._root_folder(name) is None:
-            raise AdapterError(f"adapter {name!r} is not loaded", status=404)
+            raise AdapterError(f"adapter {name!r} is not loaded", ErrorKind.NOT_FOUND)
         self.unloaded.add(name)
         return version
 
@@ -175,7 +176,7 @@ class VersionRegistry:
         AdapterError 404 for a key no version has (dropped)."""
         version = self._versions.get(key)
         if version is None:
-            raise AdapterError(f"adapter version {key!r} no longer exists", status=404)
+            raise AdapterError(f"adapter version {key!r} no longer exists", ErrorKind.NOT_FOUND)
         return version.path
 
     def name_of(self, key: str) -> str:

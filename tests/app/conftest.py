@@ -21,6 +21,7 @@ from app.api import ApiSettings, make_api
 from app.fleet import ReplicaReply
 from app.metrics import IngressMetrics
 from replicas.engine import RequestRejected
+from replicas.errors import ErrorKind
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
 from synthetic.adapters import write_peft_adapter
 from synthetic.tokenizer import build_byte_tokenizer
@@ -42,7 +43,7 @@ class FakeReplica:
 
     `status` is what its `adapters()` reports (name -> tier, slot, rank, ...). `down`: every call
     to it fails (a dead replica); `slow`: its engine does not answer an adapter report in time;
-    `reject_loads`: its engine refuses every load with this status.
+    `reject_loads`: its engine refuses every load with this kind of error.
     """
 
     replica_id: str
@@ -52,7 +53,7 @@ class FakeReplica:
     load_ids: dict[str, str] = field(default_factory=dict)
     down: bool = False
     slow: bool = False
-    reject_loads: int | None = None
+    reject_loads: ErrorKind | None = None
 
     def load(self, name: str, path: str, pinned: bool, load_id: str) -> None:
         if self.reject_loads is not None:
@@ -66,9 +67,11 @@ class FakeReplica:
 
     def unload(self, name: str, load_id: str | None) -> None:
         if load_id is not None and self.load_ids.get(name) != load_id:
-            raise RequestRejected(f"adapter {name!r} was not loaded by load {load_id}", 404)
+            raise RequestRejected(
+                f"adapter {name!r} was not loaded by load {load_id}", ErrorKind.NOT_FOUND
+            )
         if name not in self.paths:
-            raise RequestRejected(f"adapter {name!r} is not loaded", 404)
+            raise RequestRejected(f"adapter {name!r} is not loaded", ErrorKind.NOT_FOUND)
         del self.paths[name]
         self.status.pop(name, None)
         self.load_ids.pop(name, None)
@@ -162,7 +165,9 @@ class FakeEngine:
         n_prompt = len(request.prompt_token_ids)
         if request.adapter in self.replicas[0].unloaded:
             message = f"the model {request.adapter!r} does not exist"
-            yield GenerateChunk(rid, finish_reason="error", error=EngineError(message, 404))
+            yield GenerateChunk(
+                rid, finish_reason="error", error=EngineError(message, ErrorKind.NOT_FOUND)
+            )
             return
         if self.error is not None and self.error_after is None:
             yield GenerateChunk(rid, finish_reason="error", error=self.error)

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from app.adapters import AdapterError, check_adapter_name, validate_adapter_dir
 from app.config import DEMO_MODEL_NAME, AppArgs
+from replicas.errors import ErrorKind
 from tests.app.conftest import write_adapter
 
 
@@ -168,7 +169,7 @@ class TestValidateAdapterDir:
     def test_missing_folder_is_404(self, tmp_path):
         with pytest.raises(AdapterError) as e:
             validate_adapter_dir(tmp_path / "nope", 16)
-        assert e.value.status == 404
+        assert e.value.kind is ErrorKind.NOT_FOUND
 
     def _broken(self, lora_model_dir, tmp_path, **config_changes):
         path = write_adapter(lora_model_dir, tmp_path / "a")
@@ -189,14 +190,14 @@ class TestValidateAdapterDir:
         path = self._broken(lora_model_dir, tmp_path, **changes)
         with pytest.raises(AdapterError, match=words) as e:
             validate_adapter_dir(path, 16)
-        assert e.value.status == 400
+        assert e.value.kind is ErrorKind.INVALID
 
     def test_pickle_weights_are_refused(self, lora_model_dir, tmp_path):
         path = write_adapter(lora_model_dir, tmp_path / "a")
         (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
         with pytest.raises(AdapterError, match="pickle") as e:
             validate_adapter_dir(path, 16)
-        assert e.value.status == 400
+        assert e.value.kind is ErrorKind.INVALID
 
     def test_the_ingress_checks_a_folder_without_torch(self, lora_model_dir, tmp_path):
         """The ingress imports, and checks a folder's config and weights header, without
@@ -208,11 +209,12 @@ class TestValidateAdapterDir:
 import sys
 import app.ingress
 from app.adapters import AdapterError, validate_adapter_dir
+from replicas.errors import ErrorKind
 assert validate_adapter_dir({str(path)!r}, 16).rank == 8
 try:
     validate_adapter_dir({str(bad)!r}, 16)
 except AdapterError as e:
-    assert "unreadable" in str(e) and e.status == 400, e
+    assert "unreadable" in str(e) and e.kind is ErrorKind.INVALID, e
 else:
     raise AssertionError("a damaged weights file passed")
 assert "torch" not in sys.modules, "torch imported"

@@ -11,6 +11,7 @@ import pytest
 from replicas.config import EngineConfig
 from replicas.deployment import EngineDeployment, EngineMetrics
 from replicas.engine import RequestRejected
+from replicas.errors import ErrorKind
 from replicas.protocol import GenerateRequest
 from replicas.request import SamplingParams
 from tests.app.conftest import FakeMetricsBackend
@@ -143,7 +144,7 @@ class TestControlPlane:
         await deployment.load_adapter("sql", str(files[1]), False, "load-1")
         with pytest.raises(RequestRejected) as e:
             await deployment.unload_adapter("sql", "load-2")
-        assert e.value.status == 404
+        assert e.value.kind is ErrorKind.NOT_FOUND
         assert "sql" in (await deployment.served_adapters())["adapters"]
         await deployment.unload_adapter("sql", "load-1")
         served = await deployment.served_adapters()
@@ -153,7 +154,7 @@ class TestControlPlane:
         deployment, _ = replica
         with pytest.raises(RequestRejected) as e:
             await deployment.unload_adapter("nope")
-        assert e.value.status == 404
+        assert e.value.kind is ErrorKind.NOT_FOUND
 
     async def test_adapter_report_names_the_replica(self, replica, files):
         deployment, _ = replica

@@ -11,6 +11,7 @@ import pytest
 
 import app.engine_client as engine_client
 from app.engine_client import ServeEngineClient
+from replicas.errors import ErrorKind
 from replicas.protocol import GenerateChunk, GenerateRequest
 from replicas.request import SamplingParams
 
@@ -115,7 +116,7 @@ async def test_a_channel_that_fails_with_tokens_in_flight_fails_the_request(
     client = client_for(FakeHandle("fail"))
     chunks = [c async for c in client.generate(request())]
     assert chunks[0].token_ids == TOKENS[:1]
-    assert chunks[-1].finish_reason == "error" and chunks[-1].error.status == 503
+    assert chunks[-1].finish_reason == "error" and chunks[-1].error.kind is ErrorKind.UNAVAILABLE
     assert "engine replica" in chunks[-1].error.message
     assert [t for c in chunks for t in c.token_ids] == TOKENS[:1]  # nothing out of order
 

@@ -8,6 +8,7 @@ import pytest
 from app.fleet import REPLICA_FAILED, ServeFleetClient
 from replicas.adapter_ledger import AdapterEntry, MemoryLedger
 from replicas.engine import RequestRejected
+from replicas.errors import ErrorKind
 
 
 class FakeBroadcast:
@@ -49,12 +50,12 @@ def accepts(method, *args):
 
 
 def refuses(method, *args):
-    raise RequestRejected("cannot read adapter weights", 400)
+    raise RequestRejected("cannot read adapter weights", ErrorKind.INVALID)
 
 
 def knows_nothing(method, *args):
     if method == "unload_adapter":
-        raise RequestRejected("The lora adapter 'x' cannot be found.", 404)
+        raise RequestRejected("The lora adapter 'x' cannot be found.", ErrorKind.NOT_FOUND)
 
 
 class BrokenLedger(MemoryLedger):
@@ -79,7 +80,9 @@ async def test_a_load_a_replica_refused_is_not_recorded():
     fleet = ServeFleetClient(FakeHandle(accepts, refuses), ledger=ledger)
     replies = await fleet.broadcast_load_adapter("sql", "/adapters/sql", False, "load-1")
     assert [r.ok for r in replies] == [True, False]
-    assert replies[1].status == 400 and replies[1].reason == "cannot read adapter weights"
+    assert (
+        replies[1].kind is ErrorKind.INVALID and replies[1].reason == "cannot read adapter weights"
+    )
     # The undo, a broadcast naming that load, leaves the ledger alone too.
     await fleet.broadcast_unload_adapter("sql", "load-1")
     assert ledger.read_all() == {}
@@ -107,7 +110,7 @@ async def test_an_unload_no_replica_acted_on_puts_the_ledger_back(before):
         ledger.write(before)
     fleet = ServeFleetClient(FakeHandle(knows_nothing, knows_nothing), ledger=ledger)
     replies = await fleet.broadcast_unload_adapter("sql")
-    assert [r.status for r in replies] == [404, 404]
+    assert [r.kind for r in replies] == [ErrorKind.NOT_FOUND] * 2
     assert ledger.read_all().get("sql") == before
 
 

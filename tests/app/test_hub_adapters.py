@@ -13,6 +13,7 @@ import pytest
 from app.config import AppArgs
 from app.hub import pin_configured_adapters
 from replicas.adapters.hub import HubAccess
+from replicas.errors import ErrorKind
 from replicas.protocol import EngineError
 from tests.app.conftest import FakeEngine, FakeReplica, make_client, text_chunks, write_adapter
 from tests.app.test_routes import assert_openai_error
@@ -194,7 +195,9 @@ class TestLoadFromHub:
 
 
 async def test_every_503_tells_the_client_when_to_retry(tokenizer):
-    engine = FakeEngine(error=EngineError("the engine replica failed; retry", 503))
+    engine = FakeEngine(
+        error=EngineError("the engine replica failed; retry", ErrorKind.UNAVAILABLE)
+    )
     async with make_client(engine, tokenizer) as client:
         r = await complete(client, "tiny-base")
     assert_openai_error(r, 503)

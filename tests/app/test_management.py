@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from replicas.errors import ErrorKind
 from tests.app.conftest import BASE, FakeEngine, FakeReplica, make_client, text_chunks
 from tests.app.test_routes import assert_openai_error
 from tests.replicas.damaged_adapters import AT_INGRESS, damage
@@ -72,7 +73,7 @@ class TestLoadAdapter:
 
     async def test_partial_failure_is_undone_and_answered(self, tokenizer, known_adapter):
         engine = fleet("r0", "r1", "r2")
-        engine.replicas[1].reject_loads = 400
+        engine.replicas[1].reject_loads = ErrorKind.INVALID
         async with make_client(engine, tokenizer) as client:
             r = await load(client, "sql", known_adapter)
             models = await model_ids(client)

@@ -9,6 +9,7 @@ import pytest
 
 from app.metrics import IngressMetrics
 from replicas.deployment import EngineMetrics
+from replicas.errors import ErrorKind
 from replicas.protocol import EngineError
 from tests.app.conftest import BASE, FakeEngine, FakeMetricsBackend, make_client, text_chunks
 
@@ -45,7 +46,7 @@ class TestIngressMetrics:
 
     async def test_requests_are_counted_by_route_and_status(self, tokenizer):
         backend = FakeMetricsBackend()
-        refused = FakeEngine(error=EngineError("overloaded", 503, "ServiceUnavailableError"))
+        refused = FakeEngine(error=EngineError("overloaded", ErrorKind.UNAVAILABLE))
         async with make_client(refused, tokenizer, metrics=IngressMetrics(backend)) as client:
             await client.post("/v1/completions", json={"model": BASE, "prompt": "a"})
             await client.post("/v1/completions", json={"model": "nope", "prompt": "a"})

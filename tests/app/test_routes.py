@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from app.api import ApiSettings, make_api
+from replicas.errors import ErrorKind
 from replicas.protocol import EngineError
 from tests.app.conftest import (
     BASE,
@@ -437,7 +438,7 @@ class TestErrors:
 
     @pytest.mark.parametrize("stream", [False, True])
     async def test_engine_refusal_keeps_its_status(self, tokenizer, stream):
-        engine = FakeEngine(error=EngineError("overloaded", 503, "ServiceUnavailableError"))
+        engine = FakeEngine(error=EngineError("overloaded", ErrorKind.UNAVAILABLE))
         payload = {"model": BASE, "prompt": "a", "stream": stream}
         async with make_client(engine, tokenizer) as client:
             r = await client.post("/v1/completions", json=payload)
@@ -450,7 +451,7 @@ class TestErrors:
     ):
         engine = FakeEngine(
             text_chunks("ab", "cd"),
-            error=EngineError("internal engine error: CUDA device lost", 500),
+            error=EngineError("internal engine error: CUDA device lost", ErrorKind.INTERNAL),
             error_after=1,
         )
         payload = {"model": BASE, "prompt": "a", "stream": True}

@@ -12,6 +12,7 @@ import pytest
 
 from replicas.config import EngineConfig
 from replicas.deployment import EngineDeployment, EngineMetrics, GcsLiveness
+from replicas.errors import ErrorKind
 from replicas.protocol import GenerateRequest
 from replicas.request import SamplingParams
 from tests.app.conftest import FakeMetricsBackend
@@ -138,7 +139,7 @@ class TestLiveCallersKeepTheirRequests:
         cluster.fails = False  # the GCS is back: the dead caller's request goes
         await sweep(deployment, clock, 1)
         chunks = [chunk async for chunk in stream]
-        assert chunks[-1].error.status == 503 and deployment.num_abandoned == 1
+        assert chunks[-1].error.kind is ErrorKind.UNAVAILABLE and deployment.num_abandoned == 1
 
     async def test_a_live_caller_keeps_its_requests_without_sending_anything(self, fleet):
         """Under load a renewal call would queue behind the caller's own requests: liveness is
@@ -152,7 +153,9 @@ class TestLiveCallersKeepTheirRequests:
         await sweep(deployment, clock, 3)
         assert cluster.asked.count("dead-ingress") == 1 and cluster.asked.count("live-ingress") == 3
         chunks = [chunk async for chunk in orphan]
-        assert chunks[-1].finish_reason == "error" and chunks[-1].error.status == 503
+        assert (
+            chunks[-1].finish_reason == "error" and chunks[-1].error.kind is ErrorKind.UNAVAILABLE
+        )
         assert "caller went away" in chunks[-1].error.message
         stats = await deployment.stats()
         assert stats["num_running"] == 1 and stats["num_abandoned"] == 1

@@ -18,12 +18,11 @@ from replicas.adapter_ledger import (
     Unload,
     reconcile,
 )
+from replicas.errors import ErrorKind, ServingError
 
 
-class Refused(Exception):
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+class Refused(ServingError):
+    """The fake engine's refusal, as the engine's own (`RequestRejected`) carries it."""
 
 
 @dataclass
@@ -41,14 +40,14 @@ class FakeEngine:
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         if name in self.adapters or name in self.retired:
-            raise Refused(f"adapter {name!r} is already loaded", 400)
+            raise Refused(f"adapter {name!r} is already loaded", ErrorKind.INVALID)
         if path in self.broken:
-            raise Refused(f"no adapter_config.json in {path}", 400)
+            raise Refused(f"no adapter_config.json in {path}", ErrorKind.INVALID)
         self.adapters[name] = path
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
-            raise Refused(f"adapter {name!r} is not loaded", 404)
+            raise Refused(f"adapter {name!r} is not loaded", ErrorKind.NOT_FOUND)
         del self.adapters[name]
 
     def served_adapters(self) -> Served:
@@ -105,7 +104,7 @@ class TestLedgerFollower:
         follower.unload(engine, "x", version=30)  # the broadcast of the same unload: done
         with pytest.raises(Refused) as e:
             follower.unload(engine, "x", version=31)
-        assert e.value.status == 404
+        assert e.value.kind is ErrorKind.NOT_FOUND
 
     def test_an_unload_of_nothing_the_replica_caught_up_with_first_is_still_404(self):
         """The ingress writes the unload to the ledger before it broadcasts it: a catch-up in
@@ -116,7 +115,7 @@ class TestLedgerFollower:
         follower.follow(engine, {"never": AdapterEntry("never", None, 35)})
         with pytest.raises(Superseded) as e:
             follower.unload(engine, "never", version=35)
-        assert e.value.status == 404 and "never" in str(e.value)
+        assert e.value.kind is ErrorKind.NOT_FOUND and "never" in str(e.value)
 
     def test_a_failed_entry_is_retried_and_its_reason_kept(self):
         engine = FakeEngine()
@@ -182,7 +181,7 @@ class TestRacingBroadcasts:
         follower.load(engine, "x", "/a/x", load_id="l1", version=20)
         with pytest.raises(Superseded) as refused:
             follower.unload(engine, "x", version=10)
-        assert refused.value.status == 404  # as of version 10, "x" was not loaded
+        assert refused.value.kind is ErrorKind.NOT_FOUND  # as of version 10, "x" was not loaded
         assert engine.adapters == {"x": "/a/x"}
 
     def test_in_order_both_apply(self):

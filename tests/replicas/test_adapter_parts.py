@@ -15,6 +15,7 @@ from replicas.adapters.policy import ReadTurns
 from replicas.adapters.reader import AdapterReader
 from replicas.adapters.registry import VersionRegistry
 from replicas.adapters.stats import AdapterStats
+from replicas.errors import ErrorKind
 from replicas.scheduler import AdapterLoadError
 from tests.factories import make_adapter
 
@@ -132,7 +133,7 @@ class TestRegistry:
         for name in ("missing", "../r1", ""):
             with pytest.raises(AdapterError) as e:
                 registry.resolve(name)
-            assert e.value.status == 404
+            assert e.value.kind is ErrorKind.NOT_FOUND
 
     def test_unload_frees_the_name_at_once_and_a_reload_is_a_new_version(self, adapter_root):
         registry = VersionRegistry({"x": str(adapter_root / "r1")}, None, 8, pinned=("x",))
@@ -141,7 +142,7 @@ class TestRegistry:
         registry.unregister("x")
         with pytest.raises(AdapterError) as e:
             registry.resolve("x")
-        assert e.value.status == 404
+        assert e.value.kind is ErrorKind.NOT_FOUND
         assert registry.path(old.key) == adapter_root / "r1"  # for the requests already queued
         assert not registry.is_pinned(old.key) and registry.is_retired(old.key)
         new = registry.register("x", adapter_root / "r2")  # while the old one is still in use
@@ -184,7 +185,7 @@ class TestRegistry:
         assert registry.served().unloaded == ("r1",)
         with pytest.raises(AdapterError) as e:
             registry.unregister("r1")
-        assert e.value.status == 404
+        assert e.value.kind is ErrorKind.NOT_FOUND
         registry.register("r1", adapter_root / "r1")
         assert registry.served().adapters == {"r1": str(adapter_root / "r1")}
 
@@ -193,4 +194,4 @@ class TestRegistry:
         path = make_adapter(models["llama"], tmp_path / "big", rank=8, target_modules=["q_proj"])
         with pytest.raises(AdapterError) as e:
             registry.register("big", path)
-        assert e.value.status == 400 and registry.keys() == set()
+        assert e.value.kind is ErrorKind.INVALID and registry.keys() == set()

@@ -10,6 +10,7 @@ import torch
 from replicas.adapters import policy
 from replicas.adapters.policy import CopyBudget
 from replicas.engine import RequestRejected
+from replicas.errors import ErrorKind
 from replicas.lora import LORA_GROUPS
 from replicas.request import Request
 from tests.factories import hf_greedy, make_adapter
@@ -168,7 +169,7 @@ def test_unload_during_use(models, fleet):
     engine.unload_adapter("ad2")
     with pytest.raises(RequestRejected) as e:
         engine.add_request(Request("new", PROMPTS[0], greedy(2), "ad2"))
-    assert e.value.status == 404
+    assert e.value.kind is ErrorKind.NOT_FOUND
     while engine.has_work:
         tokens += [t for o in engine.step() for t in o.new_token_ids]
     assert tokens == hf_greedy(models["llama"], PROMPTS[1], 12, adapter_dir=fleet["ad2"])
@@ -253,7 +254,7 @@ def test_load_adapter_at_run_time(models, fleet, tmp_path):
     engine = make_engine(models["llama"])
     with pytest.raises(RequestRejected) as e:
         engine.add_request(Request("x", PROMPTS[0], greedy(2), "late"))
-    assert e.value.status == 404
+    assert e.value.kind is ErrorKind.NOT_FOUND
     engine.load_adapter("late", str(fleet["ad3"]))
     with pytest.raises(RequestRejected, match="already loaded"):
         engine.load_adapter("late", str(fleet["ad3"]))

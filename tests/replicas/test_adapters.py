@@ -15,6 +15,7 @@ from replicas.adapters.loader import load_adapter
 from replicas.adapters.peft_config import AdapterError, read_adapter_config
 from replicas.adapters.slot_pool import NoFreeSlot, SlotPool
 from replicas.engine import RequestRejected
+from replicas.errors import ErrorKind
 from replicas.models.spec import ModelSpec
 from replicas.request import Request
 from tests.factories import hf_greedy, make_adapter
@@ -44,14 +45,14 @@ class TestValidation:
     def test_missing_folder_is_404(self, tmp_path):
         with pytest.raises(AdapterError, match="does not exist") as e:
             read_adapter_config(tmp_path / "nope", 16)
-        assert e.value.status == 404
+        assert e.value.kind is ErrorKind.NOT_FOUND
 
     def test_invalid_json_config(self, good_adapter, tmp_path):
         path = broken_copy(good_adapter, tmp_path, "badjson")
         (path / "adapter_config.json").write_text("{not json")
         with pytest.raises(AdapterError, match="not valid JSON") as e:
             read_adapter_config(path, 16)
-        assert e.value.status == 400
+        assert e.value.kind is ErrorKind.INVALID
 
     def test_rank_above_max(self, good_adapter):
         with pytest.raises(AdapterError, match="rank 8, above max_lora_rank 4"):
@@ -361,11 +362,11 @@ class TestLoadTimeChecks:
             patch.setattr(safetensors_file, "_read_bytes", None)
             with pytest.raises(RequestRejected) as e:
                 engine.load_adapter("new", str(bad))
-        assert e.value.status == 400
+        assert e.value.kind is ErrorKind.INVALID
         assert {**AT_INGRESS, **AT_ENGINE}[kind] in str(e.value), str(e.value)
         with pytest.raises(RequestRejected) as e:
             engine.add_request(Request("r", [5, 6], greedy(1), "new"))
-        assert e.value.status == 404
+        assert e.value.kind is ErrorKind.NOT_FOUND
         engine.load_adapter("new", str(good_adapter))  # the name was never taken
 
     @pytest.mark.parametrize("kind", sorted(AT_INGRESS))
@@ -375,7 +376,7 @@ class TestLoadTimeChecks:
         bad = damage(good_adapter, tmp_path / kind, kind)
         with pytest.raises(AdapterError, match=re.escape(AT_INGRESS[kind])) as e:
             check_adapter_files("new", bad, 16)
-        assert e.value.status == 400
+        assert e.value.kind is ErrorKind.INVALID
 
     @pytest.mark.parametrize("kind", sorted(AT_ENGINE))
     def test_what_needs_the_model_is_left_to_the_engine(self, good_adapter, tmp_path, kind):

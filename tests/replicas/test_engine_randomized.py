@@ -20,6 +20,7 @@ import pytest
 
 from replicas.adapters.modes import LOADING_MODES
 from replicas.engine import RequestRejected
+from replicas.errors import ErrorKind
 from replicas.request import Request
 from tests.factories import LORA_MODULES
 from tests.replicas.conftest import greedy, make_engine, peft_greedy_table, write_adapters
@@ -143,7 +144,7 @@ def test_random_workload_matches_peft(models, folders, expected, seed):
         old = served.pop(name)
         with pytest.raises(RequestRejected) as refused:
             engine.add_request(Request("refused", PROMPTS[0], greedy(1), name))
-        assert refused.value.status == 404
+        assert refused.value.kind is ErrorKind.NOT_FOUND
         # The same name again, on its own files or another adapter's: requests queued before
         # finish on the old weights, those from now on get the new ones.
         folder = rng.choice(sorted(folders))

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from replicas.adapters.hub import HubAccess, HubError, HubRef, download, inspect
+from replicas.errors import ErrorKind
 from replicas.request import Request
 from tests.factories import hf_greedy, make_adapter, make_model
 from tests.hub_server import FakeHub
@@ -90,13 +91,13 @@ class TestInspect:
     def test_an_unknown_repo_or_revision_is_404(self, hub, access, ref):
         with pytest.raises(HubError) as e:
             inspect(ref, access, 16)
-        assert e.value.status == 404 and ref.repo_id in str(e.value)
+        assert e.value.kind is ErrorKind.NOT_FOUND and ref.repo_id in str(e.value)
 
     def test_a_private_repo_needs_the_token(self, hub, access, monkeypatch):
         monkeypatch.delenv("HF_TOKEN", raising=False)
         with pytest.raises(HubError) as e:
             inspect(HubRef("org/private-lora"), access, 16)
-        assert e.value.status == 404 and "HF_TOKEN" in str(e.value)
+        assert e.value.kind is ErrorKind.NOT_FOUND and "HF_TOKEN" in str(e.value)
         monkeypatch.setenv("HF_TOKEN", "hf_secret")
         assert inspect(HubRef("org/private-lora"), access, 16).ref.pinned
 
@@ -117,7 +118,7 @@ class TestInspect:
         hub.push("org/not-an-adapter", files)
         with pytest.raises(HubError) as e:
             inspect(HubRef("org/not-an-adapter"), access, max_lora_rank=16)
-        assert e.value.status == 400 and reason in str(e.value)
+        assert e.value.kind is ErrorKind.INVALID and reason in str(e.value)
         assert access.cache_dir not in str(e.value)  # the hub's name, never the cache's path
         assert "hf://org/not-an-adapter" in str(e.value)
 
@@ -125,7 +126,7 @@ class TestInspect:
         small = HubAccess(access.endpoint, access.cache_dir, timeout_s=5.0, max_bytes=1000)
         with pytest.raises(HubError) as e:
             inspect(HubRef("org/sql-lora"), small, 16)
-        assert e.value.status == 400 and "max_hub_adapter_gib" in str(e.value)
+        assert e.value.kind is ErrorKind.INVALID and "max_hub_adapter_gib" in str(e.value)
         assert hub.requests["get"] == 0
 
     def test_an_unreachable_hub_is_503(self, access):
@@ -135,13 +136,13 @@ class TestInspect:
         gone = HubAccess(f"http://127.0.0.1:{port}", access.cache_dir, timeout_s=1.0)
         with pytest.raises(HubError) as e:
             inspect(HubRef("org/sql-lora"), gone, 16)
-        assert e.value.status == 503 and "127.0.0.1" not in str(e.value)
+        assert e.value.kind is ErrorKind.UNAVAILABLE and "127.0.0.1" not in str(e.value)
 
     def test_a_hub_that_does_not_answer_is_503_within_the_timeout(self, hub, access):
         hub.stall_api()
         with pytest.raises(HubError) as e:
             inspect(HubRef("org/sql-lora"), HubAccess(hub.url, access.cache_dir, timeout_s=0.3), 16)
-        assert e.value.status == 503
+        assert e.value.kind is ErrorKind.UNAVAILABLE
 
     def test_offline_pins_and_serves_from_the_cache_alone(self, hub, access, local):
         pinned = inspect(HubRef("org/sql-lora"), access, 16).ref
@@ -155,7 +156,7 @@ class TestInspect:
         }
         with pytest.raises(HubError) as e:
             inspect(HubRef("org/other-lora"), offline, 16)
-        assert e.value.status == 404 and "HF_HUB_OFFLINE" in str(e.value)
+        assert e.value.kind is ErrorKind.NOT_FOUND and "HF_HUB_OFFLINE" in str(e.value)
 
 
 class TestDownload:
@@ -260,7 +261,7 @@ def test_a_stalled_download_fails_its_requests_503_after_the_timeout_and_goes_on
     clock.now += 6.0  # past the timeout: the wait ends, the download does not
     step_until(engine, lambda: finished(outputs, "first"), outputs)
     last = outputs["first"][-1]
-    assert last.finish_reason == "error" and last.error_status == 503
+    assert last.finish_reason == "error" and last.error_kind is ErrorKind.UNAVAILABLE
     assert "hf://org/sql-lora" in last.error and str(engine_env) not in last.error
     assert engine.adapter_status()["sql"]["tier"] == "downloading"
     hub.release()  # the download that went on lands: the next request finds it on disk
@@ -280,7 +281,7 @@ def test_a_download_cut_on_every_attempt_leaves_nothing_a_later_request_trusts(
     step_until(engine, lambda: engine.adapter_status()["sql"]["tier"] == "downloading", outputs)
     clock.now += 6.0
     step_until(engine, lambda: finished(outputs, "first"), outputs)
-    assert outputs["first"][-1].error_status == 503
+    assert outputs["first"][-1].error_kind is ErrorKind.UNAVAILABLE
     snapshot = engine_env / "models--org--sql-lora" / "snapshots" / hub.shas["sql"]
     assert not (snapshot / "adapter_model.safetensors").exists()  # only *.incomplete so far
     hub.drop_downloads(0)  # the client resumes the cut file; what it links is whole
@@ -291,18 +292,18 @@ def test_a_download_cut_on_every_attempt_leaves_nothing_a_later_request_trusts(
 
 
 @pytest.mark.parametrize(
-    ("adapter", "status", "reason"),
-    [("gone", 404, "no repo org/gone"), ("other", 400, "shape")],
+    ("adapter", "kind", "reason"),
+    [("gone", ErrorKind.NOT_FOUND, "no repo org/gone"), ("other", ErrorKind.INVALID, "shape")],
 )
 def test_a_hub_adapter_that_cannot_be_served_fails_its_request_with_the_reason(
-    models, hub, local, engine_env, adapter, status, reason
+    models, hub, local, engine_env, adapter, kind, reason
 ):
     engine, _ = hub_engine(models, hub, local)
     engine.add_request(Request("r", PROMPT, greedy(2), adapter))
     outputs: dict = {}
     step_until(engine, lambda: finished(outputs, "r"), outputs)
     last = outputs["r"][-1]
-    assert last.finish_reason == "error" and last.error_status == status
+    assert last.finish_reason == "error" and last.error_kind is kind
     assert reason in last.error and str(engine_env) not in last.error
 
 
@@ -312,6 +313,6 @@ def test_registering_an_unpinned_hub_reference_is_refused(models, hub, local, en
     engine, _ = hub_engine(models, hub, local)
     with pytest.raises(RequestRejected) as e:
         engine.load_adapter("latest", "hf://org/sql-lora")
-    assert e.value.status == 400
+    assert e.value.kind is ErrorKind.INVALID
     engine.load_adapter("pinned", f"hf://org/sql-lora@{hub.shas['sql']}")
     assert engine.served_adapters().adapters["pinned"] == f"hf://org/sql-lora@{hub.shas['sql']}"
