@@ -26,9 +26,16 @@ from workloads.requests import RequestSpec
 class DriveResult:
     records: list[RequestRecord]  # one per spec, in workload order
     duration_s: float  # from the first arrival to the last token
-    busy_s: float  # the engine's time inside steps during the run
-    steps: int
     stats: tuple[dict, dict]  # EngineStats fields before and after the run
+
+    @property
+    def busy_s(self) -> float:
+        """The engine's time inside steps during the run."""
+        return self.stats[1]["busy_s"] - self.stats[0]["busy_s"]
+
+    @property
+    def steps(self) -> int:
+        return self.stats[1]["num_steps"] - self.stats[0]["num_steps"]
 
 
 @dataclass
@@ -96,8 +103,6 @@ def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]
     return DriveResult(
         records=[_record(timelines[str(s.index)], start) for s in specs],
         duration_s=end - start,
-        busy_s=after.busy_s - before.busy_s,
-        steps=after.num_steps - before.num_steps,
         stats=(asdict(before), asdict(after)),
     )
 
