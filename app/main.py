@@ -141,8 +141,8 @@ HUB_ENV = ("HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME")
 # The controller's and proxy's part (the proxy is started by the controller and inherits its
 # environment): `controller_options` in configs/*.yaml, and `CONTROLLER_OPTIONS` for code that
 # starts Serve itself. The proxy sends each HTTP request to an ingress over gRPC and runs its
-# router on its own loop; access logs are written in batches (an error at once). On the timed
-# harness (saturated, 2-core CPU) the proxy's CPU a delivered token fell from 91-94 to 50 µs.
+# router on its own loop; access logs are written in batches (an error at once). What it saved:
+# docs/perf/serving.md, "The proxy over gRPC".
 PROXY_ENV = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

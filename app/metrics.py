@@ -11,7 +11,7 @@ so requests are told apart only by `model_kind` ("base" or "adapter").
   generated token.
 - `lorafleet_inter_token_latency_seconds{model_kind}`: between output tokens after the first,
   observed once per chunk: a chunk of n tokens gives its wait over n (one observation, not n:
-  Ray's histograms take one value a call, and a call per token was 12% of an ingress's time).
+  Ray's histograms take one value a call, and a call per token cost the ingress dearly).
 - `lorafleet_request_latency_seconds{model_kind}`: arrival to the last token.
 - `lorafleet_output_tokens{model_kind}`, `lorafleet_prompt_tokens{model_kind}`: tokens; their
   rate is tokens/s.
