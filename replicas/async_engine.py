@@ -12,6 +12,10 @@ requests after their first go into the channel, merged per request, and leave it
 an interval (`Channel.batches`) instead of one chunk per request; a request's first and last
 chunks still go to its own stream. Closing the channel hands what it holds back to the
 requests' streams.
+
+The interval is `stream_interval_s`, or longer when the replica's streams would otherwise send
+more than `max_chunks_per_s` chunks a second in all (`chunk_interval`): every chunk costs about
+the same in Serve's proxy whatever it carries, and a node has one proxy for all its replicas.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ logger = logging.getLogger(__name__)
 # CPU about 2 ms of CPU over the three, against 12 ms a request (benchmarks/bench_serve --timed,
 # docs/perf/serving.md). Ray Serve LLM batches at 50 ms too, flushing the first token at once.
 STREAM_INTERVAL_S = 0.05
+MAX_CHUNK_INTERVAL_S = 0.5  # the longest `chunk_interval` stretches to, whatever the cap
 
 
 # The inbox's items: posted from any thread, taken by the engine thread (`_drain_inbox`).
@@ -82,12 +87,12 @@ class Channel:
         self,
         key: str,
         loop: asyncio.AbstractEventLoop,
-        interval_s: float,
+        interval_s: Callable[[], float],
         lock: threading.Lock,
     ) -> None:
         self.key = key
         self.loop = loop
-        self.interval_s = interval_s
+        self.interval_s = interval_s  # read before each batch: it follows the replica's load
         self._lock = lock
         self.pending: dict[str, GenerateChunk] = {}  # request id -> its tokens not yet sent
         self.closed = False
@@ -99,7 +104,7 @@ class Channel:
         self.loop.call_soon_threadsafe(self._ready.set)
 
     async def batches(self, idle_s: float) -> AsyncIterator[list[GenerateChunk]]:
-        """Each batch once at least `interval_s` has passed since the last; ends once closed,
+        """Each batch once at least `interval_s()` has passed since the last; ends once closed,
         or after `idle_s` with nothing to send (the caller opens a new one when it needs it)."""
         while not self.closed:
             try:
@@ -110,7 +115,7 @@ class Channel:
                         return
                 continue
             self._ready.clear()
-            wait = self._sent_at + self.interval_s - self.loop.time()
+            wait = self._sent_at + self.interval_s() - self.loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
             with self._lock:
@@ -124,9 +129,18 @@ class Channel:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        stream_interval_s: float = STREAM_INTERVAL_S,
+        max_chunks_per_s: float = 0.0,
+    ) -> None:
         self.engine = engine
         self.stream_interval_s = stream_interval_s
+        self.max_chunks_per_s = max_chunks_per_s  # 0: no cap
+        # Streams that got tokens in the last step: written by the engine thread, read by the
+        # callers' loops (a plain int; a step-old figure is close enough to pace chunks by).
+        self.flowing = 0
         self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -146,6 +160,16 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+
+    def chunk_interval(self) -> float:
+        """How long a stream's chunks after its first wait for each other: `stream_interval_s`,
+        or what keeps the streams that got tokens in the last step within `max_chunks_per_s`
+        chunks a second in all (at most MAX_CHUNK_INTERVAL_S). More tokens a chunk, same
+        tokens a second."""
+        if self.max_chunks_per_s <= 0:
+            return self.stream_interval_s
+        paced = min(self.flowing / self.max_chunks_per_s, MAX_CHUNK_INTERVAL_S)
+        return max(self.stream_interval_s, paced)
 
     @property
     def alive(self) -> bool:
@@ -184,7 +208,7 @@ class AsyncEngine:
                     # chunk and go out as one: every chunk costs a streaming item here, in the
                     # caller and in the proxy, and this loop shares the GIL with the engine
                     # thread.
-                    wait = sent_at + self.stream_interval_s - loop.time()
+                    wait = sent_at + self.chunk_interval() - loop.time()
                     if wait > 0:
                         await asyncio.sleep(wait)
                 # The first chunk goes out alone, at once: what a client times as its first
@@ -208,7 +232,7 @@ class AsyncEngine:
     def open_channel(self, key: str) -> Channel:
         """Open `key`'s channel (closing one it had open): its requests' tokens after their
         first chunk go there, those already running included. Close it with `close_channel`."""
-        channel = Channel(key, asyncio.get_running_loop(), self.stream_interval_s, self._lock)
+        channel = Channel(key, asyncio.get_running_loop(), self.chunk_interval, self._lock)
         with self._lock:
             old = self._channels.get(key)
             self._channels[key] = channel
@@ -351,6 +375,7 @@ class AsyncEngine:
         caller's channel when one is open; its last chunk takes what the channel still holds of
         it and goes to its own stream."""
         woken: list[Channel] = []
+        self.flowing = len(outputs)
         with self._lock:
             chunks = []
             for output in outputs:

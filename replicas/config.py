@@ -53,6 +53,9 @@ class EngineConfig:
     # time and samples fixed tokens (replicas/timed_runner.py), to measure the served path on CPU.
     timed_steps: str | None = None
     stream_interval_s: float = 0.05  # a stream's chunks after its first: at most one per interval
+    # Chunks a second this replica's streams may send in all after their first (0: no cap): the
+    # interval grows past stream_interval_s to fit (`AsyncEngine.chunk_interval`).
+    max_stream_chunks_per_s: float = 0.0
     warm_up: bool = True  # CUDA: run every step shape once at start-up (kernels compile then)
     seed: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())  # extra EOS ids beyond the model's own
@@ -88,6 +91,8 @@ class EngineConfig:
             raise ValueError("hub_timeout_s and max_hub_adapter_bytes must be positive")
         if self.stream_interval_s < 0:
             raise ValueError("stream_interval_s cannot be negative")
+        if self.max_stream_chunks_per_s < 0:
+            raise ValueError("max_stream_chunks_per_s cannot be negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
 

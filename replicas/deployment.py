@@ -88,7 +88,9 @@ class EngineDeployment:
         engine = engine_cls(config)
         if self.ledger is not None:
             self._follow(engine, self.ledger.read_all())
-        self.engine = AsyncEngine(engine, config.stream_interval_s)
+        self.engine = AsyncEngine(
+            engine, config.stream_interval_s, config.max_stream_chunks_per_s
+        )
         self.engine.start()
         self._stats_task: asyncio.Task | None = None
         self._lease_task: asyncio.Task | None = None
