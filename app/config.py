@@ -231,6 +231,18 @@ class AppArgs(BaseModel):
             "as they come."
         ),
     )
+    max_proxy_chunks_per_s: float = Field(
+        default=4000.0,
+        ge=0.0,
+        description=(
+            "Stream chunks a second, after each stream's first, that the engine replicas "
+            "sharing one of Serve's proxies (one a node) may send in all; each replica takes "
+            "its share. Where its running streams would send more at stream_interval_ms, its "
+            "interval grows to fit (at most 0.5 s): chunks carry more tokens and the proxy, "
+            "one process that costs about the same a chunk whatever it carries, keeps up. "
+            "0: no cap."
+        ),
+    )
     max_ongoing_requests: int = Field(
         default=1024,
         ge=1,
@@ -386,9 +398,14 @@ class AppArgs(BaseModel):
             return self.adapter_loading
         return "prefetch" if self.enable_prefetch else "overlap"
 
-    def to_engine_config(self, model_dir: str | Path, device: str) -> EngineConfig:
+    def to_engine_config(
+        self, model_dir: str | Path, device: str, replicas_per_proxy: int = 1
+    ) -> EngineConfig:
         """The engine's frozen config, for the model in local folder `model_dir` on `device`
-        ("cpu" or "cuda": "auto" is resolved by the caller)."""
+        ("cpu" or "cuda": "auto" is resolved by the caller), one of `replicas_per_proxy` engine
+        replicas that share a node's proxy."""
+        if replicas_per_proxy < 1:
+            raise ValueError("replicas_per_proxy must be at least 1")
         return EngineConfig(
             model=str(model_dir),
             load_format="dummy" if self.load_format == "dummy" else "safetensors",
@@ -415,6 +432,7 @@ class AppArgs(BaseModel):
             eviction_policy=self.eviction_policy,
             timed_steps=self.timed_steps,
             stream_interval_s=self.stream_interval_ms / 1000,
+            max_stream_chunks_per_s=self.max_proxy_chunks_per_s / replicas_per_proxy,
         )
 
 

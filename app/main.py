@@ -96,7 +96,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     engine_options["ray_actor_options"] = actor_options
     # @serve.deployment returns a Deployment; Ray's typing keeps the decorated class.
     engine = EngineDeployment.options(**engine_options).bind(  # type: ignore[attr-defined]
-        args.to_engine_config(source.model_dir, device), prepare=source.prepare
+        args.to_engine_config(
+            source.model_dir, device, replicas_per_proxy(args.num_replicas, device)
+        ),
+        prepare=source.prepare,
     )
     settings = ApiSettings(
         served_model_name=args.base_model_name,
@@ -254,6 +257,17 @@ def resolve_device(device: str) -> str:
     if device != "auto":
         return device
     return "cuda" if _has_gpu() else "cpu"
+
+
+def replicas_per_proxy(num_replicas: int, device: str) -> int:
+    """How many engine replicas may share one node's Serve proxy: on cuda one a GPU, so at
+    most the GPUs of the Ray cluster's largest node; on CPU (or without Ray) all of them."""
+    import ray
+
+    if device != "cuda" or not ray.is_initialized():
+        return num_replicas
+    gpus = [node["Resources"].get("GPU", 0) for node in ray.nodes() if node.get("Alive")]
+    return max(1, min(num_replicas, int(max(gpus, default=num_replicas))))
 
 
 def _has_gpu() -> bool:

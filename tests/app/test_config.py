@@ -125,6 +125,17 @@ class TestAppArgs:
         config = AppArgs(stream_interval_ms=0, timed_steps="/c.json").to_engine_config("/m", "cpu")
         assert (config.stream_interval_s, config.timed_steps) == (0.0, "/c.json")
 
+    def test_each_replica_takes_its_share_of_a_proxys_chunks(self):
+        assert AppArgs().to_engine_config("/m", "cuda").max_stream_chunks_per_s == 4000.0
+        args = AppArgs(max_proxy_chunks_per_s=6000)
+        assert args.to_engine_config("/m", "cuda", 4).max_stream_chunks_per_s == 1500.0
+        uncapped = AppArgs(max_proxy_chunks_per_s=0).to_engine_config("/m", "cuda", 4)
+        assert uncapped.max_stream_chunks_per_s == 0
+        with pytest.raises(ValueError, match="replicas_per_proxy"):
+            args.to_engine_config("/m", "cuda", 0)
+        with pytest.raises(ValidationError, match="max_proxy_chunks_per_s"):
+            AppArgs(max_proxy_chunks_per_s=-1)
+
     @pytest.mark.parametrize(
         ("fields", "mode"),
         [

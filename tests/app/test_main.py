@@ -10,7 +10,7 @@ import pytest
 import app.demo
 from app.api import ApiSettings
 from app.demo import DemoAssets
-from app.main import build_app, resolve_device
+from app.main import build_app, replicas_per_proxy, resolve_device
 from replicas.config import EngineConfig
 from tests.app.conftest import write_adapter
 
@@ -202,6 +202,23 @@ class TestSecuritySettings:
 def test_explicit_device_is_kept():
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("cuda") == "cuda"
+
+
+def test_replicas_share_a_proxy_by_the_gpus_of_a_node(monkeypatch):
+    import ray
+
+    assert replicas_per_proxy(6, "cpu") == 6  # CPU replicas may all land on one node
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert replicas_per_proxy(6, "cuda") == 6  # no cluster to ask: the most that could share
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 4.0}},
+        {"Alive": True, "Resources": {"CPU": 8.0}},  # a head without GPUs
+        {"Alive": False, "Resources": {"GPU": 8.0}},  # a dead node does not count
+    ]
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert replicas_per_proxy(6, "cuda") == 4  # one a GPU: at most a node's four share
+    assert replicas_per_proxy(2, "cuda") == 2
 
 
 class TestRouterConfig:

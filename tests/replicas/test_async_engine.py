@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from replicas.async_engine import AsyncEngine
+from replicas.async_engine import MAX_CHUNK_INTERVAL_S, AsyncEngine
 from replicas.protocol import GenerateRequest
 from tests.replicas.conftest import greedy, make_engine
 
@@ -94,6 +94,39 @@ async def _through_channel(engine: AsyncEngine, close_after_batches: int | None 
     engine.close_channel(channel)
     await asyncio.wait_for(reader, 5.0)
     return {f"r{i}": chunks for i, chunks in enumerate(results)}, from_channel, batches
+
+
+def test_the_chunk_interval_grows_with_the_flowing_streams_past_a_chunk_cap():
+    front = AsyncEngine(None, stream_interval_s=0.05)  # no thread: only the pacing rule
+    front.flowing = 400
+    assert front.chunk_interval() == 0.05  # no cap
+    front.max_chunks_per_s = 2000.0
+    assert front.chunk_interval() == pytest.approx(0.2)  # 400 streams, 2,000 chunks a second
+    front.flowing = 50
+    assert front.chunk_interval() == 0.05  # within the cap at the floor
+    front.flowing = 10**6
+    assert front.chunk_interval() == MAX_CHUNK_INTERVAL_S
+
+
+async def test_a_chunk_cap_holds_every_stream_longer_with_the_same_tokens(engine):
+    engine.stream_interval_s = 0.0
+    plain = await stream_all(engine)
+    # Four streams at one chunk each per HOLD_S in all: the interval is HOLD_S, far above a step.
+    engine.max_chunks_per_s = len(PROMPTS) / HOLD_S
+    capped = await stream_all(engine)
+    for request_id, chunks in plain.items():
+        tokens = [t for _, chunk in chunks for t in chunk]
+        assert [t for _, chunk in capped[request_id] for t in chunk] == tokens
+        assert len(capped[request_id][0][1]) == 1  # the first still goes at once
+        times = [t for t, _ in capped[request_id]]
+        gaps = [b - a for a, b in zip(times[:-2], times[1:-1], strict=True)]
+        assert all(gap >= HOLD_S / 2 for gap in gaps), times
+    assert sum(map(len, capped.values())) < sum(map(len, plain.values())) / 2
+    # A channel opened now paces by the same rule, read afresh for each batch.
+    channel = engine.open_channel("caller")
+    engine.flowing = 2 * len(PROMPTS)
+    assert channel.interval_s() == engine.chunk_interval() == pytest.approx(2 * HOLD_S)
+    engine.close_channel(channel)
 
 
 async def test_a_channel_carries_every_request_between_its_first_and_last_chunks(engine):
