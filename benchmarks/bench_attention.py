@@ -2,7 +2,6 @@
 block 16) under CUDA-graph replay, against the memory floor and the torch reference.
 
     python -m benchmarks.bench_attention [--batch 64] [--contexts 1024 4096] [--out DIR]
-    python -m benchmarks.bench_attention --sweep     # also time tile shapes and split plans
     python -m benchmarks.bench_attention --smoke     # tiny sizes on CPU, Triton's interpreter
 
 Floor = KV bytes read (B x context x Hkv x D x 2 tensors x 2 bytes) / HBM bandwidth, the bandwidth
@@ -106,7 +105,8 @@ def graph_us_per_layer(layers: Layers, attend: Callable) -> float:
 
 
 class TritonDecode:
-    """The Triton decode kernel over `layers`' metadata: (q, k, v, out=None) -> out."""
+    """The Triton decode kernel over `layers`' metadata: (q, k, v, out=None) -> out; `kw` go to
+    the kernel (e.g. `tiling`)."""
 
     def __init__(self, layers: Layers, **kw) -> None:
         from kernels.attention_triton import paged_decode_attention
@@ -140,7 +140,6 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import hbm_bandwidth, write_results
 
-    args.out = args.out or "benchmarks/results"
     torch.manual_seed(0)
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -154,34 +153,33 @@ def run_gpu(args: argparse.Namespace) -> None:
     # One sequence at max_model_len among short ones: the straggler split-K is for.
     straggler = [args.contexts[0]] * (args.batch - 1) + [args.max_model_len]
     rows.append(measure(straggler, full_width, bw, args, with_torch=False))
-    if args.out:
-        path = write_results(
-            args.out,
-            "attention",
-            f"Paged decode attention, Llama-3-8B shapes (32/8 heads, D 128, bf16, block 16), "
-            f"batch {args.batch}",
-            "µs per layer under CUDA-graph replay / floor; floor = KV bytes read / HBM bandwidth; "
-            f"table_width {full_width} is the engine's graph shape for max_model_len "
-            f"{args.max_model_len}",
-            [
-                "context",
-                "table_width",
-                "grid",
-                "triton_us",
-                "floor_us",
-                "ratio_to_floor",
-                "torch_us",
-                "torch_mode",
-                "speedup_vs_torch",
-            ],
-            rows,
-            {
-                "hbm_bandwidth_TBps": round(bw / 1e12, 3),
-                "batch": args.batch,
-                "layers_rotated": args.layers,
-            },
-        )
-        print(f"wrote {path}")
+    path = write_results(
+        args.out,
+        "attention",
+        f"Paged decode attention, Llama-3-8B shapes (32/8 heads, D 128, bf16, block 16), "
+        f"batch {args.batch}",
+        "µs per layer under CUDA-graph replay / floor; floor = KV bytes read / HBM bandwidth; "
+        f"table_width {full_width} is the engine's graph shape for max_model_len "
+        f"{args.max_model_len}",
+        [
+            "context",
+            "table_width",
+            "grid",
+            "triton_us",
+            "floor_us",
+            "ratio_to_floor",
+            "torch_us",
+            "torch_mode",
+            "speedup_vs_torch",
+        ],
+        rows,
+        {
+            "hbm_bandwidth_TBps": round(bw / 1e12, 3),
+            "batch": args.batch,
+            "layers_rotated": args.layers,
+        },
+    )
+    print(f"wrote {path}")
 
 
 def measure(
@@ -215,8 +213,6 @@ def measure(
         row["torch_us"], row["torch_mode"] = time_reference(layers)
         row["speedup_vs_torch"] = row["torch_us"] / us
     print(row, flush=True)
-    if args.sweep:
-        sweep(layers, floor_us, tiles=uniform and with_torch)
     del layers, triton_fn
     torch.cuda.empty_cache()
     return row
@@ -236,36 +232,10 @@ def time_reference(layers: Layers) -> tuple[float, str]:
         return time_cuda(lambda: ref(layers.q, k, v), iters=5, repeats=3, warmup=1), "eager"
 
 
-def sweep(layers: Layers, floor_us: float, tiles: bool) -> None:
-    """Print µs per layer for tile shapes (where `tiles`) or split plans; not written to the
-    results."""
-    from dataclasses import astuple, fields, replace
-
-    from kernels.attention_triton import DECODE_TILING
-
-    if tiles:
-        tilings = [
-            replace(DECODE_TILING, block_n=n, num_warps=w, num_stages=s)
-            for n in (32, 64, 128)
-            for w in (4, 8)
-            for s in (2, 3)
-        ]
-    else:
-        tilings = [
-            replace(DECODE_TILING, programs_per_sm=p, min_split_tokens=m)
-            for p in (1, 2, 4, 8, 16)
-            for m in (128, 256, 512)
-        ]
-    print(" ".join(f.name for f in fields(DECODE_TILING)), "us", "x_floor")
-    for tiling in tilings:
-        us = graph_us_per_layer(layers, TritonDecode(layers, tiling=tiling))
-        print(*astuple(tiling), f"{us:.1f}", f"{us / floor_us:.2f}", flush=True)
-
-
 def run_smoke(args: argparse.Namespace) -> None:
     """Tiny sizes on CPU through the interpreter: checks the kernel against the reference and
     that the benchmark's plumbing runs; the times say nothing about a GPU."""
-    from kernels.attention_triton import DecodeTiling, paged_decode_attention
+    from kernels.attention_triton import DecodeTiling
 
     tiling = DecodeTiling(block_n=16, programs_per_sm=16, min_split_tokens=8)  # several splits
     torch.manual_seed(0)
@@ -275,15 +245,7 @@ def run_smoke(args: argparse.Namespace) -> None:
         k, v = layers.caches[0]
         ref = TorchReference(layers)(layers.q, k, v)
         start = time.perf_counter()
-        out = paged_decode_attention(
-            layers.q,
-            k,
-            v,
-            layers.block_table,
-            layers.batch.ctx_lens_t,
-            TINY["head_dim"] ** -0.5,
-            tiling=tiling,
-        )
+        out = TritonDecode(layers, tiling=tiling)(layers.q, k, v)
         ms = (time.perf_counter() - start) * 1e3
         err = relative_error(out, ref)
         assert err < 1e-5, f"triton decode differs from the reference: {err:.2e}"
@@ -303,7 +265,9 @@ def run_smoke(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from benchmarks.common import run_smoke_or_gpu, smoke_or_gpu_parser
+
+    ap = smoke_or_gpu_parser(__doc__)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument(
@@ -313,17 +277,7 @@ def main() -> None:
         help="also time a block table as wide as this (the engine's graph shape)",
     )
     ap.add_argument("--layers", type=int, default=4, help="distinct caches rotated per replay")
-    ap.add_argument("--sweep", action="store_true", help="time split counts and tile shapes")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
-    ap.add_argument(
-        "--out",
-        default=None,
-        help="results folder (default benchmarks/results on GPU; none in --smoke)",
-    )
-    args = ap.parse_args()
-    from benchmarks.common import run_smoke_or_gpu
-
-    run_smoke_or_gpu(args, run_smoke, run_gpu)
+    run_smoke_or_gpu(ap.parse_args(), run_smoke, run_gpu)
 
 
 if __name__ == "__main__":

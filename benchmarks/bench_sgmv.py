@@ -1,7 +1,7 @@
 """SGMV LoRA deltas of one Llama-3-8B layer (all seven projections) under CUDA-graph replay,
 against the memory floor and a torch gather-bmm baseline.
 
-    python -m benchmarks.bench_sgmv [--out DIR] [--only decode|prefill] [--breakdown]
+    python -m benchmarks.bench_sgmv [--out DIR] [--no-baseline]
     python -m benchmarks.bench_sgmv --quick    # only the cases behind the design targets
     python -m benchmarks.bench_sgmv --smoke     # tiny sizes on CPU, Triton's interpreter
 
@@ -79,19 +79,17 @@ SKEWED_MIXED = Case(
 )
 
 
-def cases(only: str | None) -> list[Case]:
+def cases() -> list[Case]:
     out = []
     rank_sets = [(str(r), lambda d, r=r: (r,) * d) for r in (8, 16, 64)]
     rank_sets.append(("mixed", lambda d: tuple(MIXED_RANKS[i % 4] for i in range(d))))
-    if only in (None, "decode"):
-        for b in (1, 8, 32, 64, 128):
-            for d in sorted({1, 8, b} & set(range(1, b + 1))):
-                for label, ranks in rank_sets:
-                    out.append(Case("decode", (b // d,) * d, ranks(d), label))
-        out += [SKEWED, SKEWED_MIXED]  # 64 tokens over 32 adapters, segments of 16 down to 1
-    if only in (None, "prefill"):
-        for label, ranks in rank_sets[1:2] + rank_sets[3:]:
-            out.append(Case("prefill", (512,) * 4, ranks(4), label))
+    for b in (1, 8, 32, 64, 128):
+        for d in sorted({1, 8, b} & set(range(1, b + 1))):
+            for label, ranks in rank_sets:
+                out.append(Case("decode", (b // d,) * d, ranks(d), label))
+    out += [SKEWED, SKEWED_MIXED]  # 64 tokens over 32 adapters, segments of 16 down to 1
+    for label, ranks in rank_sets[1:2] + rank_sets[3:]:
+        out.append(Case("prefill", (512,) * 4, ranks(4), label))
     return out
 
 
@@ -117,7 +115,6 @@ class Problem:
     sgmv: object  # SgmvBackend: the Triton kernels under the problem's tuning
     token_slots: torch.Tensor  # [T] int64, for the baseline
     token_scale: torch.Tensor  # [T, 1] for the baseline
-    h: dict[str, torch.Tensor] | None = None  # group -> shrink output, for timing the expand
 
     def offsets(self, group: str) -> tuple[int, ...]:
         offsets = [0]
@@ -169,33 +166,15 @@ def make_problem(case: Case, shapes: dict, layers: int, dtype, device, tuning=No
     return Problem(case, shapes, weights, x, y, batch, sgmv, token_slots.to(device), token_scale)
 
 
-def sgmv_layer(p: Problem, layer: int, groups=None) -> None:
-    for group in groups or p.shapes:
+def sgmv_layer(p: Problem, layer: int) -> None:
+    for group in p.shapes:
         a, b = p.weights[layer][group]
         p.sgmv.apply(p.x[group], a, b, p.batch, p.y[group], p.offsets(group))
 
 
-def shrink_layer(p: Problem, layer: int, groups=None) -> None:
-    for group in groups or p.shapes:
-        p.sgmv.shrink(p.x[group], p.weights[layer][group][0], p.batch, len(p.shapes[group][1]))
-
-
-def layer0_h(p: Problem) -> dict:
-    """Each group's h from layer 0's A: the input `expand_layer` reads."""
-    return {
-        g: p.sgmv.shrink(p.x[g], p.weights[0][g][0], p.batch, len(p.shapes[g][1])) for g in p.shapes
-    }
-
-
-def expand_layer(p: Problem, layer: int, groups=None) -> None:
-    for group in groups or p.shapes:
-        h = p.h[group]
-        p.sgmv.expand(h, p.weights[layer][group][1], p.batch, p.y[group], p.offsets(group))
-
-
-def gather_bmm_layer(p: Problem, layer: int, groups=None) -> None:
+def gather_bmm_layer(p: Problem, layer: int) -> None:
     """Per-token gather of the weights at the pool's max rank, then two batched products."""
-    for group in groups or p.shapes:
+    for group in p.shapes:
         a, b = p.weights[layer][group]
         n, max_rank = len(p.shapes[group][1]), b.shape[1]
         h = torch.bmm(a[p.token_slots], p.x[group][:, :, None])  # [T, n*R, 1]
@@ -207,14 +186,14 @@ def gather_bmm_layer(p: Problem, layer: int, groups=None) -> None:
             p.y[group][:, o0:o1] += p.token_scale * delta[:, :, 0]
 
 
-def graph_us_per_layer(p: Problem, layer_fn, groups=None, iters: int = 20) -> float:
+def graph_us_per_layer(p: Problem, layer_fn, iters: int = 20) -> float:
     """Capture `layer_fn` over every layer into one CUDA graph; µs per layer over its replays
     (the run before the capture also grows the split-K counters)."""
     from benchmarks.common import graph_replay_us
 
     def step():
         for layer in range(len(p.weights)):
-            layer_fn(p, layer, groups)
+            layer_fn(p, layer)
 
     return graph_replay_us(step, iters) / len(p.weights)
 
@@ -273,15 +252,6 @@ def measure(case: Case, bw: float, args: argparse.Namespace) -> dict:
     if not args.no_baseline:
         row["baseline_us"] = graph_us_per_layer(p, gather_bmm_layer, iters=5)
         row["speedup"] = row["baseline_us"] / us
-    if args.breakdown:  # per group: (shrink alone, expand alone)
-        p.h = layer0_h(p)
-        row["groups_us"] = {
-            g: (
-                round(graph_us_per_layer(p, shrink_layer, [g]), 2),
-                round(graph_us_per_layer(p, expand_layer, [g]), 2),
-            )
-            for g in p.shapes
-        }
     print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     del p
     torch.cuda.empty_cache()
@@ -296,16 +266,17 @@ QUICK = [  # the design targets: latency at B=1 and 8, bandwidth at B=D=64, mixe
     Case("decode", (1,) * 64, tuple(MIXED_RANKS[i % 4] for i in range(64)), "mixed"),
     Case("prefill", (512,) * 4, (16,) * 4, "16"),
 ]
+
+
 def run_gpu(args: argparse.Namespace) -> None:
     from benchmarks.common import hbm_bandwidth, write_results
     from kernels.sgmv_triton import pdl_supported
     from kernels.sgmv_tuning import DEFAULT_TUNING
 
-    args.out = args.out or "benchmarks/results"
     torch.manual_seed(0)
     bw = hbm_bandwidth()
     print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
-    rows = [measure(case, bw, args) for case in (QUICK if args.quick else cases(args.only))]
+    rows = [measure(case, bw, args) for case in (QUICK if args.quick else cases())]
     path = write_results(
         args.out,
         "sgmv_quick" if args.quick else "sgmv",  # the quick set never overwrites the full one
@@ -369,21 +340,12 @@ def run_smoke(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["decode", "prefill"], default=None)
-    ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
-    ap.add_argument("--breakdown", action="store_true", help="also time each group alone")
-    ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
-    ap.add_argument(
-        "--out",
-        default=None,
-        help="results folder (default benchmarks/results on GPU; none in --smoke)",
-    )
-    args = ap.parse_args()
-    from benchmarks.common import run_smoke_or_gpu
+    from benchmarks.common import run_smoke_or_gpu, smoke_or_gpu_parser
 
-    run_smoke_or_gpu(args, run_smoke, run_gpu)
+    ap = smoke_or_gpu_parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="only the cases behind the targets")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the gather-bmm baseline")
+    run_smoke_or_gpu(ap.parse_args(), run_smoke, run_gpu)
 
 
 if __name__ == "__main__":

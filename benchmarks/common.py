@@ -54,15 +54,29 @@ def graph_replay_us(step: Callable[[], object], iters: int = 20) -> float:
     return us
 
 
+def smoke_or_gpu_parser(doc: str) -> argparse.ArgumentParser:
+    """A kernel benchmark's parser, with the `--smoke` and `--out` that `run_smoke_or_gpu` reads."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, no GPU needed")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default benchmarks/results on GPU; none in --smoke)",
+    )
+    return ap
+
+
 def run_smoke_or_gpu(args: argparse.Namespace, run_smoke: Callable, run_gpu: Callable) -> None:
     """A benchmark's entry: `--smoke` runs Triton's interpreter on CPU (chosen before triton is
-    first imported), anything else needs a CUDA GPU."""
+    first imported), anything else needs a CUDA GPU and writes to benchmarks/results unless
+    `--out` says where."""
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         run_smoke(args)
         return
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU; use --smoke to check the plumbing on CPU")
+    args.out = args.out or "benchmarks/results"
     run_gpu(args)
 
 
