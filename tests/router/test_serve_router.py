@@ -570,7 +570,7 @@ class TestRoutingStats:
         assert "a" in view.gpu and view.free_slots == 1
 
     async def test_a_busy_engine_gets_the_previous_answer(self, deployment, monkeypatch):
-        import replicas.deployment as module
+        import replicas.deployment.replica as module
 
         first = await deployment.record_routing_stats()
 
