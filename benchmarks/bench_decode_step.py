@@ -48,71 +48,28 @@ def adapter_bytes(spec: ModelSpec, rank: int, n: int) -> int:
     return 2 * per * spec.num_layers * n
 
 
-def profile(step, out: str, label: str) -> None:
-    """GPU time per kernel over one eager step (kernel times match the graphed step's; the launch
-    gaps do not), written to `out`/decode_profile_<label>.txt."""
-    from pathlib import Path
-
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    step()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=30, max_name_column_width=60
-    )
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / f"decode_profile_{label}.txt").write_text(table)
-    print(table[:6000], flush=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="also write the per-kernel GPU time of one eager step (profile.txt)",
-    )
-    ap.add_argument(
-        "--layer-ops",
-        default="triton",
-        choices=["triton", "torch"],
-        help="norms, activation and rotary: fused Triton kernels or torch ops",
-    )
     ap.add_argument("--triton-only", action="store_true", help="skip the torch-attention rows")
     args = ap.parse_args()
     spec, B, ctx, bs = LLAMA3_8B, args.batch, args.context, 16
     torch.manual_seed(0)
     model = random_model(
-        spec, torch.bfloat16, torch.device("cuda"), ctx + 16, ops=get_layer_ops(args.layer_ops)
+        spec, torch.bfloat16, torch.device("cuda"), ctx + 16, ops=get_layer_ops("triton")
     )
     pool = LoraWeightPool(spec, B, args.rank, torch.bfloat16, torch.device("cuda"), "triton")
     fill_adapters(pool, args.rank)
     per_seq = blocks_for(ctx + 1, bs)
     num_blocks = B * per_seq
-    kv = [
-        (
-            torch.randn(
-                num_blocks + 1,
-                bs,
-                spec.num_kv_heads,
-                spec.head_dim,
-                dtype=torch.bfloat16,
-                device="cuda",
-            )
-            * 0.1,
-        )
-        * 2
-        for _ in range(spec.num_layers)
-    ]
-    kv = [(k, k.clone()) for k, _ in kv]
+    kv = []  # per layer, K and V alike
+    for _ in range(spec.num_layers):
+        shape = (num_blocks + 1, bs, spec.num_kv_heads, spec.head_dim)
+        k = torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.1
+        kv.append((k, k.clone()))
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(B)]
     ids = [7] * B
     positions = [ctx - 1] * B
@@ -174,8 +131,6 @@ def main() -> None:
                 base_bytes + kv_read + (adapter_bytes(spec, args.rank, B) if with_adapters else 0)
             )
             floor_us = floor_bytes / bw * 1e6
-            if args.profile and attention_name == "triton":
-                profile(eager, args.out, "adapters" if with_adapters else "base")
             modes = [("eager", eager)] + ([("cuda graph", graphed)] if graphs else [])
             for mode, fn in modes:
                 us = time_cuda(fn, iters=10, repeats=5, warmup=3)
