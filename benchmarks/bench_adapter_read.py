@@ -21,9 +21,7 @@ idle row say what contention with the step loop costs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,12 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import write_results
+from benchmarks.common import dummy_fleet, write_results
 from replicas.adapters.loader import read_adapter_file
 from replicas.adapters.peft_config import WEIGHTS_FILE
 from replicas.lora import LoraWeightPool
 from replicas.models.spec import ModelSpec
-from synthetic.adapters import write_fleet
 from synthetic.presets import LLAMA3_8B, TINY
 
 
@@ -85,12 +82,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model: checks the script runs")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    root = Path(tempfile.mkdtemp(prefix="read-"))
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps(TINY if args.smoke else LLAMA3_8B))
-    spec = ModelSpec.from_dir(root / "model")
     names = [f"a{i}" for i in range(4)]
-    fleet = {k: Path(v) for k, v in write_fleet(root, spec, names, args.rank).items()}
+    model, folders = dummy_fleet("read-", TINY if args.smoke else LLAMA3_8B, names, args.rank)
+    spec = ModelSpec.from_dir(model)
+    fleet = {k: Path(v) for k, v in folders.items()}
     pool = LoraWeightPool(spec, 1, args.rank, torch.bfloat16, device, "torch")
     kept: list = []  # packed adapters stay alive, like a host cache that has not evicted yet
 

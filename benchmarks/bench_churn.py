@@ -18,23 +18,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.common import write_results
+from benchmarks.common import dummy_fleet, write_results
 from replicas.config import EngineConfig
 from replicas.engine import Engine
-from replicas.models.spec import ModelSpec
 from replicas.request import Request, SamplingParams
 from sim.calibrate import copy_bandwidth
-from synthetic.adapters import write_fleet
 from synthetic.presets import LLAMA3_8B, TINY
 from workloads.churn import churn_requests
 
@@ -52,6 +47,11 @@ def workload(args, names: list[str], kind: str):
     )
 
 
+def p_ms(seconds: list[float], q: float = 50) -> float:
+    """The `q`th percentile of `seconds` in ms; 0 where there are none."""
+    return 1000 * float(np.percentile(seconds, q)) if seconds else 0.0
+
+
 def step_split(timings) -> dict:
     """Steps with prefill tokens, split by whether a layer waited on an adapter copy in flight:
     host launch time and whole step time (P50, ms). A gated step that is longer in its launch
@@ -63,11 +63,8 @@ def step_split(timings) -> dict:
         ("gated", [t for t in prefill if t.gated]),
     ):
         out[f"{label}_steps"] = len(group)
-        for field in ("launch", "step"):
-            values = [t.launch_s if field == "launch" else t.total_s for t in group]
-            out[f"{label}_{field}_p50_ms"] = (
-                1000 * float(np.percentile(values, 50)) if values else 0.0
-            )
+        out[f"{label}_launch_p50_ms"] = p_ms([t.launch_s for t in group])
+        out[f"{label}_step_p50_ms"] = p_ms([t.total_s for t in group])
     return out
 
 
@@ -125,13 +122,13 @@ def run(engine: Engine, requests) -> dict:
     window = after.adapter_read_seconds
     read_seconds = window[len(window) - min(reads, len(window)) :]
     return {
-        "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
+        "ttft_p50_ms": p_ms(ttft),
         # arrival -> admission: TTFT less this is the admitting step and any chunked prefill
-        "queue_p50_ms": 1000 * float(np.percentile(queued, 50)) if queued else 0.0,
-        "admit_to_first_p50_ms": 1000 * float(np.percentile(admit, 50)) if admit else 0.0,
-        "ttft_p99_ms": 1000 * float(np.percentile(ttft, 99)),
-        "itl_p50_ms": 1000 * float(np.percentile(itl, 50)),
-        "itl_p99_ms": 1000 * float(np.percentile(itl, 99)),
+        "queue_p50_ms": p_ms(queued),
+        "admit_to_first_p50_ms": p_ms(admit),
+        "ttft_p99_ms": p_ms(ttft, 99),
+        "itl_p50_ms": p_ms(itl),
+        "itl_p99_ms": p_ms(itl, 99),
         "e2e_p50_s": float(np.percentile(e2e, 50)),
         "throughput_tok_s": sum(count.values()) / elapsed,
         "adapter_wait_mean_ms": 1000 * statistics.fmean(waits) if waits else 0.0,
@@ -296,12 +293,8 @@ def main() -> None:
     model_config = TINY if args.smoke else LLAMA3_8B
     args.vocab_size = model_config["vocab_size"]
     device = "cpu" if args.smoke else "cuda"
-    root = Path(tempfile.mkdtemp(prefix="churn-"))
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps(model_config))
-    spec = ModelSpec.from_dir(root / "model")
     names = [f"lora-{i}" for i in range(args.num_adapters)]
-    fleet = write_fleet(root, spec, names, args.rank)
+    model, fleet = dummy_fleet("churn-", model_config, names, args.rank)
 
     host_cache = args.host_cache or args.num_adapters
 
@@ -310,7 +303,7 @@ def main() -> None:
         return Engine(
             EngineConfig(
                 **extra,
-                model=str(root / "model"),
+                model=str(model),
                 load_format="dummy",
                 device=device,
                 max_loras_per_batch=slots,

@@ -18,21 +18,17 @@ CUDA graphs; each such case is timed eagerly too, in the same run (`eager_ms`).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import hbm_bandwidth, time_cuda, write_results
+from benchmarks.common import dummy_fleet, hbm_bandwidth, time_cuda, write_results
 from replicas.config import EngineConfig
 from replicas.engine import Engine
-from replicas.models.spec import ModelSpec
 from replicas.request import Request, SamplingParams
-from synthetic.adapters import write_fleet
 from synthetic.presets import LLAMA3_8B, TINY
 
 
@@ -99,14 +95,10 @@ def main() -> None:
     sizes = [int(t) for t in args.tokens.split(",")]
     config = TINY if args.smoke else LLAMA3_8B
     device = "cpu" if args.smoke else "cuda"
-    root = Path(tempfile.mkdtemp(prefix="prefill-"))
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps(config))
-    spec = ModelSpec.from_dir(root / "model")
-    fleet = write_fleet(root, spec, ["lora-0"], args.rank)
+    model, fleet = dummy_fleet("prefill-", config, ["lora-0"], args.rank)
     engine = Engine(
         EngineConfig(
-            model=str(root / "model"),
+            model=str(model),
             load_format="dummy",
             device=device,
             max_loras_per_batch=1,

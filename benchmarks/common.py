@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,6 +87,19 @@ def hbm_bandwidth(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     us = time_cuda(lambda: dst.copy_(src), iters=20, repeats=5)
     return 2 * nbytes / (us * 1e-6)
+
+
+def dummy_fleet(prefix: str, config: dict, names: list[str], rank: int) -> tuple[Path, dict]:
+    """A temporary folder with a model of `config`'s shape for `load_format: dummy`
+    (`model/config.json`) and rank-`rank` adapters `names` beside it: the model folder, and
+    name -> adapter folder."""
+    from replicas.models.spec import ModelSpec
+    from synthetic.adapters import write_fleet
+
+    model = Path(tempfile.mkdtemp(prefix=prefix)) / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    return model, write_fleet(model.parent, ModelSpec.from_dir(model), names, rank)
 
 
 def write_results(
