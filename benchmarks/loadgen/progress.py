@@ -1,4 +1,4 @@
-"""Progress on stderr: tqdm when it is installed, else a one-line text bar."""
+"""Progress on stderr: a one-line text bar."""
 
 from __future__ import annotations
 
@@ -60,28 +60,5 @@ class TextBar:
         self.out.flush()
 
 
-class TqdmBar:
-    def __init__(self, total: int, label: str = "") -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc=label.strip() or None, file=sys.stderr)
-        self.failed = 0
-
-    def update(self, record: RequestRecord) -> None:
-        self.failed += not record.ok
-        if self.failed:
-            self.bar.set_postfix(failed=self.failed, refresh=False)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def make_progress(total: int, label: str = "", enabled: bool = True) -> Progress:
-    if not enabled:
-        return NoProgress()
-    try:
-        import tqdm  # noqa: F401
-    except ImportError:
-        return TextBar(total, label)
-    return TqdmBar(total, label)
+    return TextBar(total, label) if enabled else NoProgress()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from workloads.requests import RequestSpec
 
@@ -88,21 +88,8 @@ class RequestRecord:
 
     def to_json(self) -> dict:
         return {
-            "index": self.index,
-            "model": self.model,
-            "is_base": self.is_base,
-            "input_len": self.input_len,
-            "output_len": self.output_len,
+            **asdict(self),
             "outcome": self.outcome.value,
-            "status": self.status,
-            "error": self.error,
-            "scheduled_s": self.scheduled_s,
-            "sent_s": self.sent_s,
-            "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
-            "e2e_s": self.e2e_s,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "num_chunks": self.num_chunks,
             "itl_s": list(self.itl_s),
         }

@@ -6,6 +6,7 @@ import datetime
 import math
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,22 @@ from workloads.requests import WorkloadConfig
 
 SCHEMA = "lorafleet.loadgen/1"
 MAX_ADAPTER_ROWS = 20
+# The markdown table's columns, one row per run: header -> (load, summary) -> cell
+RUN_COLUMNS: dict[str, Callable[[dict, dict], Any]] = {
+    "rate": lambda load, s: load["request_rate"],
+    "burstiness": lambda load, s: load["burstiness"],
+    "max conc.": lambda load, s: load["max_concurrency"] or "-",
+    "ok": lambda load, s: s["completed"],
+    "failed": lambda load, s: s["failed"],
+    "req/s": lambda load, s: s["request_throughput"],
+    "out tok/s": lambda load, s: s["output_token_throughput"],
+    "TTFT P50": lambda load, s: s["ttft_ms"]["p50"],
+    "TTFT P99": lambda load, s: s["ttft_ms"]["p99"],
+    "ITL P50": lambda load, s: s["itl_ms"]["p50"],
+    "ITL P99": lambda load, s: s["itl_ms"]["p99"],
+    "TPOT P50": lambda load, s: s["tpot_ms"]["p50"],
+    "E2E P50": lambda load, s: s["e2e_ms"]["p50"],
+}
 
 
 def to_json(
@@ -74,47 +91,14 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"- date: {report['date']}",
         f"- workload: {_describe_workload(w)}",
     ]
+    columns = dict(RUN_COLUMNS)
     if with_goodput:
         slo = report["slo"]
         lines.append(f"- SLO: TTFT <= {slo['ttft_ms']} ms, TPOT <= {slo['tpot_ms']} ms")
-    columns = [
-        "rate",
-        "burstiness",
-        "max conc.",
-        "ok",
-        "failed",
-        "req/s",
-        "out tok/s",
-        "TTFT P50",
-        "TTFT P99",
-        "ITL P50",
-        "ITL P99",
-        "TPOT P50",
-        "E2E P50",
-    ]
-    if with_goodput:
-        columns.append("goodput req/s")
-    lines += ["", "Latencies in ms.", "", _row(columns), "|" + " --- |" * len(columns)]
+        columns["goodput req/s"] = lambda load, s: s["goodput"]
+    lines += ["", "Latencies in ms.", "", _row(list(columns)), "|" + " --- |" * len(columns)]
     for run in runs:
-        load, s = run["load"], run["summary"]
-        cells = [
-            load["request_rate"],
-            load["burstiness"],
-            load["max_concurrency"] or "-",
-            s["completed"],
-            s["failed"],
-            s["request_throughput"],
-            s["output_token_throughput"],
-            s["ttft_ms"]["p50"],
-            s["ttft_ms"]["p99"],
-            s["itl_ms"]["p50"],
-            s["itl_ms"]["p99"],
-            s["tpot_ms"]["p50"],
-            s["e2e_ms"]["p50"],
-        ]
-        if with_goodput:
-            cells.append(s["goodput"])
-        lines.append(_row(cells))
+        lines.append(_row([cell(run["load"], run["summary"]) for cell in columns.values()]))
     for run in runs:
         for e in run["summary"]["errors"][:3]:
             rate = run["load"]["request_rate"]
