@@ -72,7 +72,6 @@ class Outcome:
     started: float
     ended: float
     model: str
-    long: bool = False
     detail: str = ""  # the start of an error answer's body
 
     @property
@@ -87,7 +86,6 @@ class ChaosLog:
     churn_errors: list[tuple[str, float, str]] = field(default_factory=list)  # 5xx: kind, t, body
     kills: dict[str, float] = field(default_factory=dict)  # what -> when (monotonic)
     whole_again: dict[str, float] = field(default_factory=dict)  # what -> when fleet recovered
-    samples: list[tuple[float, int, bool]] = field(default_factory=list)  # (t, engines, http up)
     orphans: int = 0  # long streams running in an engine when the ingress was killed
     orphan_abort_s: float | None = None  # ingress kill -> its requests ended in the engines
 
@@ -138,7 +136,6 @@ async def one_request(
     model: str,
     max_tokens: int,
     hang_up_after: int | None,
-    long: bool,
     first_chunk: asyncio.Event | None = None,
     stream: bool = True,
 ) -> Outcome:
@@ -156,7 +153,7 @@ async def one_request(
     started = time.monotonic()
 
     def outcome(kind: str, detail: str = "") -> Outcome:
-        return Outcome(kind, started, time.monotonic(), model, long, detail)
+        return Outcome(kind, started, time.monotonic(), model, detail)
 
     if not stream:
         return await whole_request(client, body, hang_up_after, outcome)
@@ -231,7 +228,7 @@ async def client_loop(
             hang_up = rng.randint(1, 4) if (long or rng.random() < plan.hang_up_share) else None
             stream = long or rng.random() < plan.stream_share
             model = rng.choice(plan.models)
-            outcome = await one_request(client, model, max_tokens, hang_up, long, None, stream)
+            outcome = await one_request(client, model, max_tokens, hang_up, None, stream)
             log.outcomes.append(outcome)
             if not outcome.ok and outcome.kind != "hung_up":
                 await asyncio.sleep(0.1)  # a failing fleet: don't spin
@@ -300,7 +297,7 @@ async def orphan(url: str, plan: ChaosPlan, log: ChaosLog, running: asyncio.Even
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
         model, max_tokens = plan.models[0], plan.long_max_tokens
         for _ in range(5):
-            log.outcomes.append(await one_request(client, model, max_tokens, None, True, running))
+            log.outcomes.append(await one_request(client, model, max_tokens, None, running))
             if running.is_set():
                 return
             await asyncio.sleep(0.2)
@@ -337,13 +334,12 @@ async def http_up(client: httpx.AsyncClient) -> bool:
 
 
 async def monitor_loop(url: str, app: str, num_engines: int, stop: asyncio.Event, log: ChaosLog):
-    """Samples the fleet every 0.5 s; records when it is whole again after each kill."""
+    """Looks at the fleet every 0.5 s; records when it is whole again after each kill."""
     async with httpx.AsyncClient(base_url=url) as client:
         while not stop.is_set():
             engines = len(await fleet_stats(app, timeout_s=2.0))
             up = await http_up(client)
             now = time.monotonic()
-            log.samples.append((now, engines, up))
             for what, killed in log.kills.items():
                 whole = up and engines >= num_engines
                 if what not in log.whole_again and whole and now > killed + 0.5:
@@ -512,7 +508,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soak", action="store_true", help="no kills; streamed and whole requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--name", default="chaos")
+    p.add_argument("--name", help="results file name (default: chaos, or soak with --soak)")
     return p.parse_args(argv)
 
 
@@ -577,13 +573,10 @@ def main(argv: list[str] | None = None) -> Path:
     if args.soak:
         path = write_soak(args, ingress, report)
     else:
-        rows = [
-            {"kill": what, **{k: v for k, v in figures.items()}}
-            for what, figures in report["recovery"].items()
-        ]
+        rows = [{"kill": what, **figures} for what, figures in report["recovery"].items()]
         path = write_results(
             args.out,
-            args.name,
+            args.name or "chaos",
             "Faults under load (CPU, tiny model)",
             "kill -9 of an engine replica and of the ingress during streaming traffic with "
             "hang-ups and adapter churn; recovery = time from the kill to the next successful "
@@ -616,7 +609,7 @@ def write_soak(args: argparse.Namespace, ingress: int, report: dict[str, Any]) -
     }
     return write_results(
         args.out,
-        args.name if args.name != "chaos" else "soak",
+        args.name or "soak",
         "Soak: nothing killed, several ingress replicas (CPU, tiny model)",
         "requests lost by the fleet against 0: every request completes unless its client hangs "
         "up; streamed and whole requests, random hang-ups, adapter loads and unloads in between",
