@@ -137,6 +137,18 @@ class TestMetrics:
         assert stats["callers"] == {}
         assert before <= stats["caller_done_at"]["ingress-a"] <= time.time()
 
+    async def test_replica_stats_are_the_stats_with_the_replicas_id(self, replica):
+        deployment, _ = replica
+        stats = await deployment.replica_stats()
+        assert stats.pop("replica_id") == "local"
+        assert set(stats) == set(await deployment.stats())
+
+    async def test_info_gives_what_the_ingress_checks_requests_against(self, replica):
+        deployment, _ = replica
+        info = await deployment.info()
+        assert set(info) == {"max_model_len", "eos_token_ids", "vocab_size"}
+        assert isinstance(info["eos_token_ids"], list) and info["vocab_size"] > 0
+
 
 class TestControlPlane:
     async def test_undoing_a_load_touches_only_that_load(self, replica, files):

@@ -9,6 +9,7 @@ import pytest
 
 from app.metrics import IngressMetrics
 from replicas.deployment import EngineMetrics
+from replicas.engine_stats import EngineStats
 from replicas.errors import ErrorKind
 from replicas.protocol import EngineError
 from tests.app.conftest import BASE, FakeEngine, FakeMetricsBackend, make_client, text_chunks
@@ -84,22 +85,24 @@ class TestIngressMetrics:
         assert backend["lorafleet_output_tokens"].total() == 2
 
 
-def engine_stats(**overrides) -> dict:
+def engine_stats(**overrides) -> EngineStats:
     stats = {
         "num_steps": 0,
+        "num_preemptions": 0,
+        "max_adapters_in_step": 0,
         "adapter_disk_reads": 0,
         "adapter_gpu_loads": 0,
         "adapter_prefetch_loads": 0,
         "adapter_hits": 0,
         "adapter_misses": 0,
-        "adapter_read_seconds": [],
+        "adapter_read_seconds": (),
         "resident_adapters": {},
         "num_free_kv_blocks": 100,
         "num_kv_blocks": 100,
         "num_running": 0,
         "num_waiting": 0,
     }
-    return {**stats, **overrides}
+    return EngineStats(**{**stats, **overrides})
 
 
 class TestEngineMetrics:
@@ -135,11 +138,11 @@ class TestEngineMetrics:
     def test_only_new_load_latencies_are_observed(self):
         backend = FakeMetricsBackend()
         metrics = EngineMetrics(backend)
-        metrics.update(engine_stats(adapter_disk_reads=2, adapter_read_seconds=[0.1, 0.2]))
-        metrics.update(engine_stats(adapter_disk_reads=2, adapter_read_seconds=[0.1, 0.2]))
-        metrics.update(engine_stats(adapter_disk_reads=3, adapter_read_seconds=[0.1, 0.2, 0.3]))
+        metrics.update(engine_stats(adapter_disk_reads=2, adapter_read_seconds=(0.1, 0.2)))
+        metrics.update(engine_stats(adapter_disk_reads=2, adapter_read_seconds=(0.1, 0.2)))
+        metrics.update(engine_stats(adapter_disk_reads=3, adapter_read_seconds=(0.1, 0.2, 0.3)))
         # The window keeps only the latest reads: 3 more reads, 2 of them still in the window.
-        metrics.update(engine_stats(adapter_disk_reads=6, adapter_read_seconds=[0.5, 0.6]))
+        metrics.update(engine_stats(adapter_disk_reads=6, adapter_read_seconds=(0.5, 0.6)))
         assert backend["lorafleet_adapter_load_seconds"].values() == [0.1, 0.2, 0.3, 0.5, 0.6]
 
     @pytest.mark.parametrize(("adapter", "kind"), [(True, "adapter"), (False, "base")])
