@@ -207,7 +207,7 @@ class Fleet:
     # -- replica side ---------------------------------------------------------------------------
 
     def _stats(self, replica: _Replica) -> dict[str, Any]:
-        """replicas/deployment.py `_routing_stats`: the engine's RoutingStats as JSON."""
+        """replicas/deployment/stats.py `routing_stats_dict`: the engine's RoutingStats as JSON."""
         s = replica.engine.routing_stats()
         return {
             "gpu": list(s.gpu),

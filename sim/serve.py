@@ -5,7 +5,7 @@ request_router/request_router.py `RequestRouter`, `MultiplexMixin`, `FIFOMixin`;
 request_router/pow_2_router.py `PowerOfTwoChoicesRequestRouter`; request_router/common.py
 `ReplicaQueueLengthCache`; router.py `AsyncioRouter._route_and_send_request`; controller and
 deployment_state `record_request_routing_info`) and, for the replica side, our
-replicas/deployment.py `EngineDeployment.publish_residency`.
+replicas/deployment/replica.py `EngineDeployment.publish_residency`.
 
 - `Controller`: replicas push their multiplexed model ids (GPU + loading adapters) and routing
   stats when their residency changes, checked every `push_period_s` (0.1 s); the controller also
@@ -50,7 +50,7 @@ class ServeConfig:
 
     max_ongoing_requests: int = 1024  # app/config.py AppArgs.max_ongoing_requests
     rpc_s: float = 0.0005  # one way, between a router and a replica actor
-    push_period_s: float = 0.1  # replicas/deployment.py RESIDENCY_PERIOD_S
+    push_period_s: float = 0.1  # replicas/deployment/replica.py RESIDENCY_PERIOD_S
     stats_period_s: float = 0.5  # app/main.py ROUTING_STATS_PERIOD_S (Serve's default: 10 s)
     control_loop_s: float = 0.1  # constants.CONTROL_LOOP_INTERVAL_S
     broadcast_s: float = 0.002  # long-poll delivery, controller -> routers
