@@ -9,6 +9,6 @@ modelled rule by rule. Plain Python: no torch, no Ray at run time.
     sim/fleet.py        replicas + routers + workload -> `FleetResult`
     sim/workload.py     request streams (the serving benchmark's, or generated)
     sim/cells.py        the routing cells run on GPUs and their predictions (`python -m sim.cells`)
-    sim/bound.py        the fewest loads any router can make (Belady's MIN over the fleet's slots)
+    sim/bound.py        the fewest loads a router can make: Belady's MIN, A0 if it cannot see ahead
     sim/validate.py     predicted against measured (`python -m sim.validate`)
 """

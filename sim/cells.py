@@ -93,14 +93,24 @@ class RouterCell:
             max_model_len=self.max_model_len,
         )
 
+    def popularity_weights(self) -> dict[str, float]:
+        """Each adapter's probability a measured request (`workloads.popularity`, which the
+        benchmark draws them from, each request on its own)."""
+        from workloads.popularity import popularity_weights
+        from workloads.router_cell import adapter_names
+
+        weights = popularity_weights(self.popularity, self.num_adapters)
+        return dict(zip(adapter_names(self.num_adapters), map(float, weights), strict=True))
+
     def bound(self) -> LoadBound:
-        """`sim.bound.fleet_bound` for this cell's requests, slots and host caches."""
+        """`sim.bound.fleet_bound` for this cell's requests, slots, host caches and popularity."""
         w = self.workload()
         return fleet_bound(
             [a.adapter for a in w.measured],
             gpu_entries=self.replicas * self.slots,
             memory_entries=self.replicas * max(self.host_cache, self.slots),
             warmup=[a.adapter for a in w.warmup],
+            popularity=self.popularity_weights(),
         )
 
     def capacity_share(self, cal: Calibration) -> float:
@@ -238,14 +248,19 @@ def main(argv: list[str] | None = None) -> int:
             row = [name, router, *(f"{values[f]:.3g}" for f in FIGURES)]
             print("| " + " | ".join(row) + " |", flush=True)
     print(
-        "\nAny router, requests in arrival order (sim.bound): floor (Belady MIN, any warm-up) "
-        "and the fleet as one LRU cache, per 1k requests"
+        "\nPer 1k requests (sim.bound): floors for any router (Belady MIN, requests in arrival "
+        "order, any warm-up) and for any router that does not know the requests to come (A0's "
+        "expected misses under the cell's popularity); A0 and the fleet as one LRU cache on "
+        "the cell's requests"
     )
     for name, b in bounds.items():
         print(
-            f"{name}: GPU loads >= {b.loads_floor_per_1k:.0f} (LRU {b.lru_loads_per_1k:.0f}) over "
-            f"{b.gpu_entries} slots; disk reads >= {b.disk_reads_floor_per_1k:.0f} "
-            f"(LRU {b.lru_disk_reads_per_1k:.0f}) over {b.memory_entries} host entries"
+            f"{name}: GPU loads >= {b.loads_floor_per_1k:.0f}, online >= "
+            f"{b.online_loads_floor_per_1k:.0f} (A0 on these requests "
+            f"{b.a0_loads_per_1k:.0f}, LRU {b.lru_loads_per_1k:.0f}) over {b.gpu_entries} "
+            f"slots; disk reads >= {b.disk_reads_floor_per_1k:.0f}, online >= "
+            f"{b.online_disk_reads_floor_per_1k:.0f} (A0 {b.a0_disk_reads_per_1k:.0f}, LRU "
+            f"{b.lru_disk_reads_per_1k:.0f}) over {b.memory_entries} host entries"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
