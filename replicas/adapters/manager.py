@@ -327,13 +327,21 @@ class AdapterManager:
 
     def residency(self) -> dict[str, list[str]]:
         """The adapters new requests may use, by name and tier: "gpu", "loading", "host" (the
-        router's view; retired versions left out). Not for the hot path (queries events)."""
+        router's view; retired versions left out). `status`'s tiers without its sizes and disk
+        lookups: the replica asks for it every 0.1 s, between steps, on the engine thread."""
         tiers: dict[str, list[str]] = {"gpu": [], "loading": [], "host": []}
-        for name, status in self.status().items():
-            tier = tiers.get(status["tier"])
-            if tier is not None and not status["unloading"]:
-                tier.append(name)
-        return tiers
+        resident = self.slots.resident
+        for key in set(resident) | set(self.host) | set(self.reader.reading()):
+            if self.registry.is_retired(key):
+                continue
+            slot = resident.get(key)
+            if slot is not None:
+                copy = self.uploader.pending(slot)
+                tier = "loading" if copy is not None and not copy.landed() else "gpu"
+            else:
+                tier = "loading" if key in self.reader else "host"
+            tiers[tier].append(self.registry.name_of(key))
+        return {tier: sorted(names) for tier, names in tiers.items()}
 
     def shutdown(self) -> None:
         self.reader.shutdown()

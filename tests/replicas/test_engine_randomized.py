@@ -55,6 +55,15 @@ def expected(models, folders):
     return peft_greedy_table(models["llama"], folders, PROMPTS, MAX_TOKENS)
 
 
+def assert_residency_is_status(engine) -> None:
+    """The router's view (`residency`, built for speed) is `status`'s tiers, retired left out."""
+    tiers: dict[str, list[str]] = {"gpu": [], "loading": [], "host": []}
+    for name, status in engine.adapters.status().items():
+        if status["tier"] in tiers and not status["unloading"]:
+            tiers[status["tier"]].append(name)
+    assert engine.adapters.residency() == tiers
+
+
 class ReadsInTurns:
     """The adapter reader's pool (`AdapterReader._pool`), run by the test: a read submitted
     lands (runs, and its future is set) at the 1st to 4th call of `turn()`, drawn from `rng`."""
@@ -169,6 +178,7 @@ def test_random_workload_matches_peft(models, folders, expected, seed):
                 assert out.finish_reason == "length", out
                 finished.add(out.request_id)
         assert_blocks_accounted(engine)
+        assert_residency_is_status(engine)
         reads.turn()
     else:
         raise AssertionError("the engine did not drain")
