@@ -16,6 +16,9 @@
 #   bash benchmarks/device_suite.sh serve-poisson                #   the engine in-process and the
 #   bash benchmarks/device_suite.sh serve-seeds                  #   roofline (Ray Serve; one a call)
 #   bash benchmarks/device_suite.sh serve-2x                     #   saturated on 2 GPUs
+#   bash benchmarks/device_suite.sh serve-scale                  # saturated on 1, 2 and 4 GPUs
+#                                                                #   of one machine, 512 requests
+#                                                                #   a replica (4 GPUs; ~8 min)
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
 #   bash benchmarks/device_suite.sh router-placement             # the routing cells of
@@ -117,6 +120,15 @@ for s in "$@"; do
             workload=saturated
             [ "$s" != serve ] && workload="${s#serve-}"
             stage "$s" 570 python -m benchmarks.bench_serve --workload "$workload" --out "$OUT" ;;
+        serve-scale)  # scale-out: one replica against in-process, then 2 and 4 through HTTP
+            # with the same load a replica, each on GPUs of its own (needs 4)
+            stage serve-scale-1x 250 python -m benchmarks.bench_serve --workload saturated \
+                --name saturated_scale_1x --out "$OUT"
+            for n in 2 4; do
+                stage "serve-scale-${n}x" 200 python -m benchmarks.bench_serve --workload saturated \
+                    --replicas "$n" --num-requests $((512 * n)) --http-only \
+                    --name "saturated_scale_${n}x" --out "$OUT"
+            done ;;
         serve-2x)  # needs 2 GPUs
             stage serve-2x 570 python -m benchmarks.bench_serve --workload saturated --replicas 2 \
                 --out "$OUT" ;;
