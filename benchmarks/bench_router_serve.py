@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.common import device_name, write_results
+from benchmarks.common import device_name, free_port, wait_healthy, write_results
 from benchmarks.loadgen import LengthRange, LoadConfig, OpenAIClient, RunReport, run_benchmark
 from benchmarks.loadgen.runner import warm_up
 from replicas.models.spec import ModelSpec
@@ -63,7 +62,6 @@ ENGINE_DEPLOYMENT = "EngineDeployment"
 WAIT_METRIC = "ray_lorafleet_adapter_wait_seconds"  # observed once per finished adapter request
 METRICS_REPORT_INTERVAL_MS = 500  # how often replicas push metrics to the export (default 10 s)
 METRICS_SETTLE_S = 20.0  # how long to wait for the export to show every finished request
-HEALTH_TIMEOUT_S = 300.0
 HOT_ADAPTER = "lora-0"  # the most popular adapter under skewed, zipf and hot
 
 
@@ -115,25 +113,6 @@ def build_application(args: Mapping[str, Any], setup: RouterSetup):
     from app import main
 
     return main.build_app(dict(args))
-
-
-def wait_healthy(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:g} s")
-        time.sleep(0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,13 +286,13 @@ def figures(report: RunReport, before: FleetSnapshot, after: FleetSnapshot) -> d
 
 # Figures the simulator predicts: each row carries `sim_<figure>` beside the real one.
 PREDICTED = (
-    "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "hit_rate", "loads_per_1k",
+    "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "throughput_tok_s", "hit_rate", "loads_per_1k",
     "disk_reads_per_1k", "imbalance",
 )  # fmt: skip
 COLUMNS = [
     "popularity", "router", "completed", "ttft_p50_ms", "sim_ttft_p50_ms", "ttft_p99_ms",
-    "sim_ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_s", "throughput_tok_s",
-    "sim_throughput_tok_s", "adapter_wait_mean_ms", "hit_rate", "loads_per_1k",
+    "sim_ttft_p99_ms", "itl_p50_ms", "sim_itl_p50_ms", "itl_p99_ms", "e2e_p50_s",
+    "throughput_tok_s", "sim_throughput_tok_s", "adapter_wait_mean_ms", "hit_rate", "loads_per_1k",
     "sim_loads_per_1k", "disk_reads_per_1k", "sim_disk_reads_per_1k", "imbalance",
     "sim_imbalance", "memory_copies", "hot_gpu", "sim_hot_replicas", "ttft_p50_vs_pow2",
     "ttft_p99_vs_pow2", "throughput_vs_pow2", "loads_vs_pow2",
@@ -362,7 +341,7 @@ def cell_of(args: argparse.Namespace, popularity: str):
 def predictions(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]:
     """(popularity, router) -> `sim_<figure>` for every run of `args`, from the fleet simulator
     on the same requests (`sim.cells.predict`, `--sim-seeds` seeds)."""
-    from sim.cells import calibration, http_overhead_s, predict
+    from sim.cells import calibration, predict, served_path
 
     cal = calibration()
     routers = [setup.name for setup in args.setups]
@@ -373,7 +352,7 @@ def predictions(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, flo
             cal,
             routers,
             seeds=args.sim_seeds,
-            overhead_s=http_overhead_s(),
+            served=served_path(cal=cal),
         ).items():
             out[popularity, router] = {
                 f"sim_{name}": figures[name] for name in (*PREDICTED, "hot_replicas")
@@ -599,7 +578,7 @@ def run(args: argparse.Namespace, url: str, metrics_url: str) -> Path:
         predicted = predictions(args)
         meta["simulator"] = (
             f"sim.cells.predict, {args.sim_seeds} seed(s), {time.monotonic() - t0:.0f} s; "
-            "HTTP, proxy and ingress: sim.cells.http_overhead_s, measured"
+            "HTTP, proxy, ingress and the slower steps under Serve: sim.cells.served_path, measured"
         )
     model_config = TINY if args.smoke else LLAMA3_8B
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="router-serve-"))

@@ -14,9 +14,9 @@ fleet shape, adapters, popularity and Poisson rate. Three kinds:
 
 The predictions use `benchmarks/results/sim_calibration.json` (H200, rank 16) scaled to the
 cell's rank (`Calibration.for_rank`), the very requests the benchmark sends
-(`sim.workload.serving_benchmark`) and the served path's measured time outside the engine
-(`http_overhead_s`: the cells run through HTTP). Beside them, `sim.bound`'s floor on any
-router's loads and disk reads for the cell's requests.
+(`sim.workload.serving_benchmark`) and what the served path adds, measured (`served_path`:
+the cells run through HTTP). Beside them, `sim.bound`'s floors on a router's loads and disk
+reads for the cell's requests.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sim.calibration import DEFAULT, Calibration
 from sim.fleet import ROUTERS, Fleet, FleetConfig
 from sim.replica import ReplicaConfig, capacity_rps
 from sim.serve import ServeConfig
-from sim.workload import Workload, serving_benchmark
+from sim.workload import Workload, one_adapter_serving, serving_benchmark
 
 RESULTS = Path(__file__).parents[1] / "benchmarks/results"
 CALIBRATION = RESULTS / "sim_calibration.json"
@@ -44,7 +44,8 @@ CALIBRATION = RESULTS / "sim_calibration.json"
 SERVED_PATH_RUN = RESULTS / "bench_serve_seeds_warmup.json"
 FIGURES = (
     "loads_per_1k", "disk_reads_per_1k", "arrival_hit_rate", "hit_rate", "adapter_wait_mean_ms",
-    "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "imbalance", "hot_replicas", "hot_spread_s",
+    "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "throughput_tok_s", "imbalance", "hot_replicas",
+    "hot_spread_s",
 )  # fmt: skip
 HOT = "lora-0"  # the most popular adapter of every cell (workloads.router_cell.adapter_names)
 
@@ -148,18 +149,69 @@ def calibration(path: str | Path | None = None) -> Calibration:
     return Calibration.load(path) if path else DEFAULT
 
 
-def http_overhead_s(run: str | Path = SERVED_PATH_RUN, rpc_s: float = ServeConfig.rpc_s) -> float:
-    """The time HTTP, Serve's proxy and the ingress add to a first token (`FleetConfig.overhead_s`)
-    from a `benchmarks/bench_serve.py` run that sent the same requests through HTTP and to the
-    same engine in-process: the difference of their TTFT P50s, less the router -> replica and
-    replica -> router hops (`rpc_s` each) the fleet times itself. The seeds run (8 req/s, one
-    H200): 48.3 - 28.5 - 1.0 = 18.8 ms."""
-    rows = {row["path"]: row for row in json.loads(Path(run).read_text())["rows"]}
+@dataclass(frozen=True)
+class ServedPath:
+    """What serving through HTTP adds to the engine's own times (`FleetConfig`'s `overhead_s`
+    and `served_step_s`)."""
+
+    overhead_s: float  # HTTP, Serve's proxy and the ingress: client <-> router, both ways
+    step_s: float  # added to every engine step under Serve
+
+
+IN_PROCESS = ServedPath(0.0, 0.0)
+
+
+def served_path(
+    run: str | Path = SERVED_PATH_RUN,
+    cal: Calibration | None = None,
+    rpc_s: float = ServeConfig.rpc_s,
+) -> ServedPath:
+    """The served path from a one-adapter `benchmarks/bench_serve.py` run that sent the same
+    requests through HTTP and to the same engine in-process, one GPU:
+
+    - `step_s`: the difference of their ITL P50s. A Serve replica's step thread shares its
+      process, and its GIL, with the replica's event loop and Ray's threads; in-process it runs
+      alone. The seeds run: 9.67 - 7.45 = 2.22 ms.
+    - `overhead_s`: the difference of their TTFT P50s, less the router -> replica and replica
+      -> router hops the fleet times itself (`rpc_s` each) and less what the slower steps add
+      to a first token in that run: the simulator replays its requests in-process with and
+      without `step_s` (`cal`: the recorded calibration). The seeds run: 48.3 - 28.5 - 1.0 -
+      4.0 = 14.8 ms."""
+    data = json.loads(Path(run).read_text())
+    rows = {row["path"]: row for row in data["rows"]}
     try:
-        served = rows["http"]["ttft_p50_ms"] - rows["in-process"]["ttft_p50_ms"]
-    except (KeyError, TypeError):
-        raise ValueError(f"{run}: no HTTP and in-process TTFT P50 of the same requests") from None
-    return max(0.0, served / 1e3 - 2 * rpc_s)
+        http, local = rows["http"], rows["in-process"]
+        served_ttft_s = (http["ttft_p50_ms"] - local["ttft_p50_ms"]) / 1e3
+        step_s = max(0.0, (http["itl_p50_ms"] - local["itl_p50_ms"]) / 1e3)
+        w = data["workload"]
+        workload = one_adapter_serving(
+            num_requests=int(w["requests"]),
+            input_len=_lengths(w["prompts"]),
+            output_len=_lengths(w["outputs"]),
+            rate=float(w["rate"]),
+            max_num_seqs=int(w["max_num_seqs"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f"{run}: no HTTP and in-process TTFT and ITL P50 of the same one-adapter requests"
+        ) from None
+    cal = cal or calibration()
+    replica = ReplicaConfig(
+        max_loras_per_batch=1, max_loaded_loras=1, max_num_seqs=int(w["max_num_seqs"])
+    )
+    ttft = [
+        Fleet(FleetConfig(num_replicas=1, replica=replica, served_step_s=extra), workload, cal)
+        .run()
+        .ttft_p50_ms
+        / 1e3
+        for extra in (0.0, step_s)
+    ]
+    return ServedPath(max(0.0, served_ttft_s - 2 * rpc_s - (ttft[1] - ttft[0])), step_s)
+
+
+def _lengths(text: str) -> tuple[int, int]:
+    low, _, high = str(text).partition(":")
+    return int(low), int(high or low)
 
 
 def predict(
@@ -169,10 +221,11 @@ def predict(
     *,
     seeds: int = 3,
     policy_kwargs: tuple[tuple[str, Any], ...] = (),
-    overhead_s: float = 0.0,
+    served: ServedPath = IN_PROCESS,
 ) -> dict[str, dict[str, float]]:
     """Per router, each of FIGURES averaged over `seeds` simulator seeds (the workload is the
-    cell's, the same for every seed). `overhead_s`: client <-> router time, both ways."""
+    cell's, the same for every seed). `served`: what HTTP and Serve add (`served_path()` for
+    the cells, which run through HTTP)."""
     workload = cell.workload()
     cost = cal.for_rank(cell.rank)
     out: dict[str, dict[str, float]] = {}
@@ -185,7 +238,8 @@ def predict(
                 num_routers=cell.routers,
                 replica=cell.replica_config(),
                 policy_kwargs=policy_kwargs,
-                overhead_s=overhead_s,
+                overhead_s=served.overhead_s,
+                served_step_s=served.step_s,
                 seed=seed,
             )
             fleet = Fleet(config, workload, cost)
@@ -221,23 +275,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--calibration", default=None)
     ap.add_argument(
-        "--overhead-ms",
-        type=float,
-        default=None,
-        help=f"HTTP, proxy and ingress time on every TTFT (default: {SERVED_PATH_RUN.name}'s)",
+        "--in-process",
+        action="store_true",
+        help=f"leave out what HTTP and Serve add (default: measured, {SERVED_PATH_RUN.name})",
     )
     ap.add_argument("--json", default=None, help="also write the predictions here")
     args = ap.parse_args(argv)
     cal = calibration(args.calibration)
-    overhead_s = http_overhead_s() if args.overhead_ms is None else args.overhead_ms / 1e3
-    print(f"HTTP overhead {overhead_s * 1e3:.1f} ms on every TTFT")
-    result: dict[str, Any] = {"overhead_ms": overhead_s * 1e3}
+    served = IN_PROCESS if args.in_process else served_path(cal=cal)
+    print(
+        f"Served path: HTTP, proxy and ingress {served.overhead_s * 1e3:.1f} ms on every TTFT, "
+        f"{served.step_s * 1e3:.2f} ms more a step"
+    )
+    result: dict[str, Any] = {"served_path": asdict(served)}
     head = ["cell", "router", *FIGURES]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     bounds = {}
     for name in args.cells.split(","):
         cell = CELLS[name]
-        figures = predict(cell, cal, seeds=args.seeds, overhead_s=overhead_s)
+        figures = predict(cell, cal, seeds=args.seeds, served=served)
         bounds[name] = cell.bound()
         result[name] = {
             "capacity_share": cell.capacity_share(cal),

@@ -5,10 +5,13 @@ rows).
 
 Between the client and the engine: a request reaches its router `overhead_s / 2` after the
 client sends it (HTTP, the proxy and the ingress), and each token reaches the client
-`rpc_s + overhead_s / 2` after the engine samples it. A replica that dies aborts every request
-on it (they count as failed) and the controller drops it at once; routers learn of it at the
-next broadcast, or sooner when a send to it fails. A replica that joins is broadcast the same
-way.
+`rpc_s + overhead_s / 2` after the engine samples it. Under Serve every engine step takes
+`served_step_s` longer than the calibration's (measured in-process): the step thread shares its
+process, and its GIL, with the replica's event loop and Ray's threads.
+
+A replica that dies aborts every request on it (they count as failed) and the controller drops
+it at once; routers learn of it at the next broadcast, or sooner when a send to it fails. A
+replica that joins is broadcast the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from replicas.request import Request, RequestStatus
@@ -46,6 +49,7 @@ class FleetConfig:
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     overhead_s: float = 0.0  # client <-> router, both ways together (HTTP, proxy, ingress)
+    served_step_s: float = 0.0  # added to every engine step (a Serve replica's, not in-process)
     policy_kwargs: tuple[tuple[str, Any], ...] = ()  # AffinityPolicy's, as sorted items
     seed: int = 0
 
@@ -54,6 +58,8 @@ class FleetConfig:
             raise ValueError(f"unknown router {self.router!r}; choose from {ROUTERS}")
         if self.num_replicas < 1 or self.num_routers < 1:
             raise ValueError("need at least one replica and one router")
+        if self.overhead_s < 0 or self.served_step_s < 0:
+            raise ValueError("the served path cannot take negative time")
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ class FleetResult:
     failed: int
     ttft_p50_ms: float
     ttft_p99_ms: float
+    # Gaps between a request's tokens as its replica samples them (the client gets them in
+    # 50 ms chunks and gives each token its chunk's mean gap: a P50 within 0.1 ms of this).
+    itl_p50_ms: float
     e2e_p50_s: float
     adapter_wait_mean_ms: float
     hit_rate: float
@@ -136,7 +145,8 @@ class Fleet:
     ) -> None:
         self.config = config
         self.workload = workload
-        self.cal = cal
+        step = cal.step
+        self.cal = replace(cal, step=replace(step, base_s=step.base_s + config.served_step_s))
         self.loop = EventLoop()
         self.rng = random.Random(config.seed)
         self.controller = Controller(self.loop, config.serve)
@@ -157,6 +167,8 @@ class Fleet:
         self._measure_start: _Counters | None = None
         self._measure_t = math.nan
         self._end_t = math.nan
+        self._last_token: dict[str, float] = {}  # engine request id -> its latest token's time
+        self._token_gaps: list[float] = []  # measured requests', seconds
         self.retries = 0
 
     # -- construction ---------------------------------------------------------------------------
@@ -275,12 +287,17 @@ class Fleet:
             replica.engine.prefetch_hint(adapter)
 
     def _on_token(self, engine_request: Request, first: bool) -> None:
+        request, _, _ = self._by_engine[engine_request.request_id]
+        now = self.loop.now()
         if first:
-            request, _, _ = self._by_engine[engine_request.request_id]
-            request.first_token_at = self.loop.now() + self._back_s
+            request.first_token_at = now + self._back_s
+        elif request.measured:
+            self._token_gaps.append(now - self._last_token[engine_request.request_id])
+        self._last_token[engine_request.request_id] = now
 
     def _on_done(self, engine_request: Request) -> None:
         request, router, rid = self._by_engine.pop(engine_request.request_id)
+        self._last_token.pop(engine_request.request_id, None)
         replica = self.replicas.get(rid) or next(
             r for r in self._retired if r.engine.replica_id == rid
         )
@@ -389,6 +406,7 @@ class Fleet:
             failed=sum(r.failed for r in measured),
             ttft_p50_ms=1000 * _quantile(ttfts, 0.50),
             ttft_p99_ms=1000 * _quantile(ttfts, 0.99),
+            itl_p50_ms=1000 * _quantile(sorted(self._token_gaps), 0.50),
             e2e_p50_s=_quantile(e2e, 0.50),
             adapter_wait_mean_ms=1000 * sum(waits) / len(waits) if waits else 0.0,
             hit_rate=grown["hits"] / admissions if admissions else math.nan,

@@ -9,9 +9,9 @@ popularity and router), rebuilds each cell's workload with the same loadgen call
 shape, and prints per cell the measured and predicted adapter loads and disk reads per 1k
 requests, the mean wait for an adapter, imbalance and TTFT P50 and P99, each with its check:
 the prediction within `--tolerance` (20%) of the measurement. `loads_vs_pow2` is the figure the
-simulator exists for: each router's loads over pow2's. The runs went through HTTP, so every
-predicted TTFT carries the served path's measured time (`sim.cells.http_overhead_s`) unless
-`--overhead-ms` says otherwise.
+simulator exists for: each router's loads over pow2's. The runs went through HTTP, so the
+predictions carry what the served path adds, measured (`sim.cells.served_path`: time on every
+TTFT and on every engine step) unless `--in-process` says otherwise.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from sim.calibration import DEFAULT, Calibration
-from sim.cells import SERVED_PATH_RUN, RouterCell, http_overhead_s
+from sim.cells import IN_PROCESS, SERVED_PATH_RUN, RouterCell, ServedPath, served_path
 from sim.cells import predict as predict_cell
 from sim.fleet import ROUTERS
 
 DEFAULT_CALIBRATION = Path("benchmarks/results/sim_calibration.json")
 FIGURES = (
     "loads_per_1k", "disk_reads_per_1k", "adapter_wait_mean_ms", "imbalance", "ttft_p50_ms",
-    "ttft_p99_ms", "loads_vs_pow2",
+    "ttft_p99_ms", "itl_p50_ms", "loads_vs_pow2",
 )  # fmt: skip
 
 
@@ -109,11 +109,11 @@ def predict(
     cal: Calibration,
     *,
     seeds: int = 3,
-    overhead_s: float = 0.0,
+    served: ServedPath = IN_PROCESS,
 ) -> dict[str, dict[str, float]]:
     """Per router, the simulated figures, each the mean over `seeds` simulator seeds (the
     workload stays the measured run's)."""
-    out = predict_cell(shape.cell(popularity), cal, routers, seeds=seeds, overhead_s=overhead_s)
+    out = predict_cell(shape.cell(popularity), cal, routers, seeds=seeds, served=served)
     if "pow2" in out:
         for figures in out.values():
             base = out["pow2"]["loads_per_1k"]
@@ -191,11 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="simulator seeds averaged per cell")
     ap.add_argument("--tolerance", type=float, default=0.2)
     ap.add_argument(
-        "--overhead-ms",
-        type=float,
-        default=None,
-        help="client <-> router time (HTTP, proxy, ingress) added to every TTFT "
-        f"(default: measured, {SERVED_PATH_RUN.name})",
+        "--in-process",
+        action="store_true",
+        help=f"leave out what HTTP and Serve add (default: measured, {SERVED_PATH_RUN.name})",
     )
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
@@ -206,16 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     routers = list(dict.fromkeys(c.router for c in cells))
     if "pow2" not in routers:
         routers.append("pow2")  # loads_vs_pow2 needs it
-    overhead_s = http_overhead_s() if args.overhead_ms is None else args.overhead_ms / 1e3
+    served = IN_PROCESS if args.in_process else served_path(cal=cal)
     predicted = {}
     for popularity in dict.fromkeys(c.popularity for c in cells):
-        figures = predict(shape, popularity, routers, cal, seeds=args.seeds, overhead_s=overhead_s)
+        figures = predict(shape, popularity, routers, cal, seeds=args.seeds, served=served)
         for router, values in figures.items():
             predicted[popularity, router] = values
     rows = compare(cells, predicted, args.tolerance)
     print(f"measured: {args.measured}")
     print(f"calibration: {path or 'built-in estimate'} {cal.source}")
-    print(f"HTTP overhead on every TTFT: {overhead_s * 1e3:.1f} ms")
+    print(
+        f"served path: {served.overhead_s * 1e3:.1f} ms on every TTFT (HTTP, proxy, ingress), "
+        f"{served.step_s * 1e3:.2f} ms more an engine step"
+    )
     print(table(rows, args.tolerance))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Request streams for the simulator: a routing cell's own (the same seeded requests and arrival
-times `benchmarks/bench_router_serve.py` sends, from `workloads/`), or generated ones for policy
-studies.
+times `benchmarks/bench_router_serve.py` sends, from `workloads/`), a one-adapter
+`benchmarks/bench_serve.py` run's, or generated ones for policy studies.
 """
 
 from __future__ import annotations
@@ -89,6 +89,58 @@ def serving_benchmark(
         measured=tuple(arrival(t, s) for t, s in zip(offsets, measured, strict=True)),
         gap_s=1.0,  # measure(): `asyncio.sleep(1.0)` after the warm-up
         name=popularity,
+        digest=workload_digest(measured),
+    )
+
+
+def one_adapter_serving(
+    *,
+    num_requests: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    rate: float,
+    max_num_seqs: int,
+    seed: int = 0,
+    adapter: str = "lora-0",
+) -> Workload:
+    """The requests of a one-adapter `benchmarks/bench_serve.py` run (`--workload seeds`), as
+    its in-process engine gets them: a warm-up burst of `max_num_seqs` requests with 8-token
+    outputs, then, once it has finished, the seeded stream at Poisson `rate`
+    (`serve_workloads.streams` and `warmup_specs` on one replica)."""
+    from workloads.arrivals import arrival_offsets
+    from workloads.requests import (
+        LengthRange,
+        WorkloadConfig,
+        build_workload,
+        rng_for,
+        workload_digest,
+    )
+
+    def specs(popularity: str, count: int, seed_: int, out: LengthRange):
+        return build_workload(
+            WorkloadConfig(
+                num_prompts=count,
+                input_len=LengthRange(*input_len),
+                output_len=out,
+                adapters=(adapter,),
+                base_model="base",
+                popularity=popularity,
+                seed=seed_,
+            )
+        )
+
+    short = min(8, output_len[1])
+    warm = specs("distinct", min(num_requests, max_num_seqs), seed + 1, LengthRange(short, short))
+    measured = specs("uniform", num_requests, seed, LengthRange(*output_len))
+    offsets = arrival_offsets(num_requests, rate, 1.0, rng_for(seed, "arrivals"))
+    return Workload(
+        warmup=tuple(Arrival(0.0, adapter, s.input_len, s.output_len) for s in warm),
+        measured=tuple(
+            Arrival(float(t), adapter, s.input_len, s.output_len)
+            for t, s in zip(offsets, measured, strict=True)
+        ),
+        gap_s=0.0,
+        name="one adapter",
         digest=workload_digest(measured),
     )
 

@@ -8,8 +8,18 @@ import math
 import pytest
 
 from benchmarks.bench_router_serve import parse_args, workloads
-from sim.cells import CELLS, HOT, RouterCell, calibration, http_overhead_s, predict
+from sim.cells import (
+    CELLS,
+    HOT,
+    SERVED_PATH_RUN,
+    RouterCell,
+    ServedPath,
+    calibration,
+    predict,
+    served_path,
+)
 from sim.fleet import ROUTERS
+from sim.workload import one_adapter_serving
 from workloads.requests import workload_digest
 
 
@@ -58,23 +68,55 @@ def test_prediction_of_a_small_hot_cell():
     assert HOT == "lora-0"
 
 
-class TestHttpOverhead:
-    def test_measured_as_http_less_in_process_less_the_modelled_hops(self, tmp_path):
+class TestServedPath:
+    """What HTTP and Serve add, from a one-adapter bench_serve run through HTTP and in-process."""
+
+    @staticmethod
+    def run_file(tmp_path, http_ttft=50.0, http_itl=8.0):
         run = tmp_path / "seeds.json"
+        workload = {"requests": 40, "prompts": "200:400", "outputs": "20:40", "rate": 8.0,
+                    "max_num_seqs": 16}  # fmt: skip
         rows = [
-            {"path": "http", "ttft_p50_ms": 50.0},
-            {"path": "in-process", "ttft_p50_ms": 30.0},
+            {"path": "http", "ttft_p50_ms": http_ttft, "itl_p50_ms": http_itl},
+            {"path": "in-process", "ttft_p50_ms": 30.0, "itl_p50_ms": 6.0},
             {"path": "roofline", "ttft_p50_ms": None},
         ]
-        run.write_text(json.dumps({"rows": rows}))
-        assert http_overhead_s(run, rpc_s=0.001) == pytest.approx(0.018)
+        run.write_text(json.dumps({"workload": workload, "rows": rows}))
+        return run
+
+    def test_steps_as_much_slower_as_the_itl_says(self, tmp_path):
+        served = served_path(self.run_file(tmp_path), rpc_s=0.001)
+        assert served.step_s == pytest.approx(0.002)
+        # The rest of the 20 ms is HTTP's: less the two hops and the slower steps' share of a
+        # first token (at least the prefill step's, at most a few steps').
+        assert 0.018 - 4 * 0.002 < served.overhead_s < 0.018 - 0.002
+
+    def test_without_slower_steps_all_of_the_difference_is_http(self, tmp_path):
+        served = served_path(self.run_file(tmp_path, http_itl=6.0), rpc_s=0.001)
+        assert served.step_s == 0 and served.overhead_s == pytest.approx(0.018)
 
     def test_the_recorded_seeds_run(self):
-        # bench_serve_seeds_warmup: 48.3 ms through HTTP, 28.5 in-process, 2 x 0.5 ms modelled.
-        assert http_overhead_s() == pytest.approx(0.0188, abs=1e-4)
+        # bench_serve_seeds_warmup: ITL P50 9.67 through HTTP against 7.45 in-process; TTFT
+        # P50 48.3 against 28.5, less 2 x 0.5 ms of hops and 4.0 ms the slower steps add.
+        served = served_path()
+        assert served.step_s == pytest.approx(0.00222, abs=1e-5)
+        assert served.overhead_s == pytest.approx(0.0148, abs=2e-4)
+
+    def test_it_replays_the_requests_the_run_sent(self):
+        run = json.loads(SERVED_PATH_RUN.read_text())
+        w = one_adapter_serving(num_requests=480, input_len=(200, 1000), output_len=(100, 400),
+                                rate=8.0, max_num_seqs=128)  # fmt: skip
+        assert w.digest == run["digests"]["1 adapter"]
+        assert len(w.warmup) == 128 and all(a.output == 8 for a in w.warmup)
 
     def test_a_run_without_both_paths_is_refused(self, tmp_path):
         run = tmp_path / "seeds.json"
         run.write_text(json.dumps({"rows": [{"path": "http", "ttft_p50_ms": 50.0}]}))
         with pytest.raises(ValueError, match="in-process"):
-            http_overhead_s(run)
+            served_path(run)
+
+    def test_the_slower_steps_show_in_the_predicted_itl(self):
+        cell = CELLS["easy-2x"]
+        plain = predict(cell, calibration(), ("pow2",), seeds=1)["pow2"]
+        served = predict(cell, calibration(), ("pow2",), seeds=1, served=ServedPath(0.0, 0.002))
+        assert served["pow2"]["itl_p50_ms"] == pytest.approx(plain["itl_p50_ms"] + 2.0, abs=0.1)
