@@ -1,5 +1,6 @@
-"""Shared helpers for benchmarks: timing with CUDA events, the HBM bandwidth of this device, and
-writing results (markdown table + JSON) with the command, device and date."""
+"""Shared helpers for benchmarks: timing with CUDA events, the HBM bandwidth of this device, a
+local server's port and health, and writing results (markdown table + JSON) with the command,
+device and date."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import torch
 
 
@@ -87,6 +91,25 @@ def hbm_bandwidth(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     us = time_cuda(lambda: dst.copy_(src), iters=20, repeats=5)
     return 2 * nbytes / (us * 1e-6)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:g} s")
+        time.sleep(0.5)
 
 
 def dummy_fleet(prefix: str, config: dict, names: list[str], rank: int) -> tuple[Path, dict]:
