@@ -30,7 +30,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from benchmarks.serve_cpu import ServingProcess, serving_processes
 
 ENGINE = "EngineDeployment"
 INGRESS = "Ingress"
@@ -94,37 +95,15 @@ class ChaosLog:
 # Processes
 
 
-def replica_pids(app: str, deployment: str) -> list[int]:
-    """The processes of a deployment's replicas on this machine, found by the title Ray gives
-    an actor's process (`ray::ServeReplica:<app>:<deployment>...`)."""
-    title = f"ray::ServeReplica:{app}:{deployment}"
-    listing = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    pids = []
-    for line in listing.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if args.startswith(title):
-            pids.append(int(pid))
-    return sorted(pids)
-
-
-def actor_id_of(pid: int) -> str | None:
-    """The Ray actor id of a live (or just killed) actor process of this cluster."""
-    from ray._private import state
-
-    for actor_id, actor in state.actors().items():
-        if actor.get("Pid") == pid:
-            return actor_id
-    return None
-
-
-def kill_9(app: str, deployment: str, rng: random.Random) -> int:
-    """SIGKILL one replica of `deployment`; returns its pid."""
-    pids = replica_pids(app, deployment)
-    if not pids:
+def kill_9(app: str, deployment: str, rng: random.Random) -> ServingProcess:
+    """SIGKILL one replica of `deployment`, found in Ray's actor table; returns it."""
+    role = {ENGINE: "engine", INGRESS: "ingress"}[deployment]
+    replicas = [p for p in serving_processes(app, INGRESS, ENGINE) if p.role == role]
+    if not replicas:
         raise RuntimeError(f"no process of {app}/{deployment} found")
-    pid = rng.choice(pids)
-    os.kill(pid, signal.SIGKILL)
-    return pid
+    victim = rng.choice(replicas)
+    os.kill(victim.pid, signal.SIGKILL)
+    return victim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,12 +250,11 @@ async def kill_loop(
             except TimeoutError:
                 pass
             log.orphans = sum(e.is_set() for e in running)
-        pid = await asyncio.to_thread(kill_9, app, deployment, rng)
+        dead = (await asyncio.to_thread(kill_9, app, deployment, rng)).actor_id
         killed = log.kills[deployment] = time.monotonic()
         killed_wall = time.time()
         if deployment == INGRESS and log.orphans:
-            dead = await asyncio.to_thread(actor_id_of, pid)
-            while dead is not None and time.monotonic() < killed + 30.0:
+            while time.monotonic() < killed + 30.0:
                 stats = await fleet_stats(app)
                 if stats and all(dead not in s.get("callers", {}) for s in stats):
                     # Every request of the dead ingress ended in the engines (its lease lapsed and
@@ -517,8 +495,7 @@ def main(argv: list[str] | None = None) -> Path:
     from ray import serve
 
     from app.main import CONTROLLER_OPTIONS, build_app
-    from benchmarks.bench_router_serve import free_port, wait_healthy
-    from benchmarks.common import append_table, write_results
+    from benchmarks.common import append_table, free_port, wait_healthy, write_results
     from replicas.models.spec import ModelSpec
     from synthetic.adapters import write_fleet
     from synthetic.models import write_model

@@ -26,12 +26,13 @@ import numpy as np
 import torch
 
 from benchmarks.common import dummy_fleet, write_results
+from benchmarks.serve_engine import drive
 from replicas.config import EngineConfig
 from replicas.engine import Engine
-from replicas.request import Request, SamplingParams
 from sim.calibrate import copy_bandwidth
 from synthetic.presets import LLAMA3_8B, TINY
 from workloads.churn import churn_requests
+from workloads.requests import RequestSpec
 
 
 def workload(args, names: list[str], kind: str):
@@ -69,58 +70,24 @@ def step_split(timings) -> dict:
 
 
 def run(engine: Engine, requests) -> dict:
-    start = time.monotonic()
-    before = engine.stats()
-    pending = list(enumerate(requests))
-    arrival, first, last, count, itl, waits = {}, {}, {}, {}, [], []
-    added: list[Request] = []
-
-    def add_due() -> None:  # as a server's inbox would: between steps and while one runs
-        now = time.monotonic() - start
-        while pending and pending[0][1][0] <= now:
-            i, (t, adapter, prompt, n_out) = pending.pop(0)
-            rid = str(i)
-            params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
-            request = Request(rid, prompt, params, adapter, arrival_time=start + t)
-            engine.add_request(request)
-            added.append(request)
-            arrival[rid] = start + t
-
-    while pending or engine.has_work:
-        add_due()
-        if not engine.has_work:
-            now = time.monotonic() - start
-            time.sleep(min(0.001, max(0.0, pending[0][1][0] - now)) if pending else 0)
-            continue
-        outputs = engine.step(on_idle=add_due)
-        stamp = time.monotonic()
-        for o in outputs:
-            if not o.new_token_ids:
-                continue
-            if o.request_id not in first:
-                first[o.request_id] = stamp
-            else:
-                itl.append(stamp - last[o.request_id])
-            last[o.request_id] = stamp
-            count[o.request_id] = count.get(o.request_id, 0) + len(o.new_token_ids)
-            if o.metrics:
-                waits.append(o.metrics["adapter_wait_s"])
-        if engine.stalled:
-            time.sleep(0.0005)
-    elapsed = time.monotonic() - start
-    ttft = [first[r] - arrival[r] for r in first]
-    e2e = [last[r] - arrival[r] for r in last]
-    queued = [r.queue_s for r in added if r.queue_s is not None]
+    """`requests` ((arrival s, adapter, prompt, max tokens) each) through `serve_engine.drive`."""
+    specs = [RequestSpec(i, adapter, False, tuple(prompt), len(prompt), n_out)
+             for i, (_, adapter, prompt, n_out) in enumerate(requests)]  # fmt: skip
+    result = drive(engine, specs, [r[0] for r in requests])
+    timed = [(rec, req) for rec, req in zip(result.records, result.requests, strict=True)
+             if rec.ok and req is not None]  # fmt: skip
+    ttft = [rec.ttft_s for rec, _ in timed]
+    itl = [gap for rec, _ in timed for gap in rec.itl_s]
+    queued = [req.queue_s for _, req in timed if req.queue_s is not None]
     # admission -> first token: the admitting step (and any chunked prefill), apart from queueing
-    admit = [
-        first[r.request_id] - r.admitted_at
-        for r in added
-        if r.request_id in first and r.admitted_at is not None
-    ]
-    after = engine.stats()
-    reads = after.adapter_disk_reads - before.adapter_disk_reads
-    window = after.adapter_read_seconds
+    admit = [req.arrival_time + rec.ttft_s - req.admitted_at
+             for rec, req in timed if req.admitted_at is not None]  # fmt: skip
+    tokens = sum(rec.output_tokens for rec in result.records)
+    before, after = result.stats
+    reads = after["adapter_disk_reads"] - before["adapter_disk_reads"]
+    window = after["adapter_read_seconds"]
     read_seconds = window[len(window) - min(reads, len(window)) :]
+    waits = result.adapter_waits
     return {
         "ttft_p50_ms": p_ms(ttft),
         # arrival -> admission: TTFT less this is the admitting step and any chunked prefill
@@ -129,18 +96,18 @@ def run(engine: Engine, requests) -> dict:
         "ttft_p99_ms": p_ms(ttft, 99),
         "itl_p50_ms": p_ms(itl),
         "itl_p99_ms": p_ms(itl, 99),
-        "e2e_p50_s": float(np.percentile(e2e, 50)),
-        "throughput_tok_s": sum(count.values()) / elapsed,
+        "e2e_p50_s": float(np.percentile([rec.e2e_s for rec, _ in timed], 50)),
+        "throughput_tok_s": tokens / result.duration_s,
         "adapter_wait_mean_ms": 1000 * statistics.fmean(waits) if waits else 0.0,
-        "gpu_loads": after.adapter_gpu_loads - before.adapter_gpu_loads,
+        "gpu_loads": after["adapter_gpu_loads"] - before["adapter_gpu_loads"],
         "disk_reads": reads,
         "disk_read_mean_ms": 1000 * statistics.fmean(read_seconds) if read_seconds else 0.0,
-        "prefetch_loads": after.adapter_prefetch_loads - before.adapter_prefetch_loads,
-        "requests": len(first),
+        "prefetch_loads": after["adapter_prefetch_loads"] - before["adapter_prefetch_loads"],
+        "requests": len(timed),
         # KV-cache pressure: requests sent back to wait and recomputed, and tokens per step
-        "preemptions": after.num_preemptions - before.num_preemptions,
-        "tokens_per_step": sum(count.values()) / max(1, after.num_steps - before.num_steps),
-        **step_split(engine.step_timings(since_step=before.num_steps)),
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "tokens_per_step": tokens / max(1, result.steps),
+        **step_split(engine.step_timings(since_step=before["num_steps"])),
     }
 
 

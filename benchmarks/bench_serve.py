@@ -7,49 +7,13 @@ floor, on the same request stream, in one run.
     python -m benchmarks.bench_serve --workload saturated --replicas 2
     python -m benchmarks.bench_serve --smoke                         # CPU, tiny model, ~1 min
 
-Each workload is a model shape with random weights (`load_format: dummy`), rank-r adapters and a
-seeded request stream (loadgen: prompts of token ids, exact output lengths, arrival times). The
-run:
-1. measures the device's two ceilings: a bf16 matrix product of the model's widest shape and a
-   1 GiB device copy (`serve_roofline.measure_ceilings`);
-2. deploys the app as `serve run` would (`app.main.build_app` on `AppArgs`, the `args:` block a
-   user writes; `--set KEY=VALUE` changes any of them), warms it up, and streams every request
-   through HTTP (`/v1/completions`): output tok/s, TTFT, ITL and E2E P50/P90/P99 as the client
-   sees them, and from the engine replicas' stats (`EngineDeployment.replica_stats`) requests
-   finished per replica and each replica's busy share (time inside engine steps / run time);
-3. shuts Serve down and drives the engine in-process (`serve_engine.drive`: `replicas.engine.
-   Engine` built from the same `AppArgs`, no Ray, no HTTP) on the identical requests and
-   arrival times, after a warm-up of its own;
-4. computes the workload's roofline from the two ceilings (`serve_roofline`):
-       roofline_s = (2 * P * prompt tokens / GEMM rate
-                     + (decode steps * weight bytes + KV bytes read) / HBM bandwidth) / replicas
-   with decode at full batch (steps = decode tokens / max_num_seqs), each step reading the
-   weights and every running request's KV cache once; P counts the layers' projections and
-   the LM head.
-
-Ratios: HTTP / in-process (in-process is one engine on one GPU: with `--replicas N` the HTTP
-figure is set against N times it), in-process / roofline (per GPU), and, where a workload runs
-several adapter counts on the same prompts, the first count's tok/s over the last's.
-
-Workloads (`--workload`):
-  saturated  Llama-3-8B shape, 32 rank-16 adapters in 32 slots, 512 requests sent at once,
-             prompts 128-512 tokens, 128 output tokens; then the same prompts all on ONE adapter
-             (same deployment, same run): the 32-vs-1 ratio is the price of many adapters.
-  poisson    the saturated shape with 32 adapters under Poisson arrivals: a burst of the sweep's
-             requests gives the capacity C (requests/s); goodput is the highest rate in
-             [C/8, C] whose TTFT P99 <= 1 s and ITL P99 <= 100 ms, by bisection
-             (`serve_goodput.search`, each point a short run). The in-process engine then runs
-             the same requests at the goodput rate.
-  seeds      Llama-3.1-8B shape, one rank-16 adapter, 480 prompts at 8 req/s Poisson, prompts
-             200-1000 tokens, outputs 100-400; SGLang's published TTFT P50 62.65 ms and ITL P50
-             22.68 ms beside ours.
-
-Results: benchmarks/results/bench_serve_<workload>[_<N>x][_smoke].{md,json}, with the command,
-device, date, ceilings, every figure and the ratios.
-
-Files: serve_workloads.py (workloads, streams), serve_http.py (the app through HTTP, the sweep),
-serve_engine.py (the in-process driver), serve_roofline.py, serve_goodput.py (the search),
-serve_report.py (rows, ratios, results files); this one builds the model and runs the three.
+A run measures the device's ceilings (`serve_roofline.measure_ceilings`), deploys the app from
+`AppArgs` as `serve run` would (`--set KEY=VALUE` changes any field) and streams every request
+through HTTP (`serve_http`), then shuts Serve down and drives the engine in-process on the
+identical requests and arrival times (`serve_engine.drive`), and sets both against the
+workload's roofline (`serve_roofline`). docs/perf/serving.md has what each step measures, the
+workloads (`serve_workloads`), the ratios and the results files (`serve_report`):
+benchmarks/results/bench_serve_<workload>[_<N>x][_timed][_smoke].{md,json}.
 """
 
 from __future__ import annotations
@@ -209,7 +173,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="an AppArgs field (the YAML's args:), e.g. --set max_num_seqs=256",
     )
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument(
         "--profile",
         default=None,
@@ -244,12 +207,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.timed is not None:
         wl = timed(wl)
         args.overrides.setdefault("timed_steps", str(Path(args.timed).resolve()))
-        args.device = "cpu"
     args.spec = wl
-    if args.smoke and args.device == "auto":
-        args.device = "cpu"
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cpu = args.smoke or args.timed is not None or not torch.cuda.is_available()
+    args.device = "cpu" if on_cpu else "cuda"
     if args.device == "cuda" and args.replicas > torch.cuda.device_count():
         ap.error(f"{args.replicas} replicas need as many GPUs; {torch.cuda.device_count()} seen")
     if args.name is None:

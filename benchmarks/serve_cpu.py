@@ -21,6 +21,7 @@ TICKS_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 class ServingProcess:
     role: str  # "proxy", "ingress", "engine", "controller"
     pid: int
+    actor_id: str = ""
 
 
 def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingProcess]:
@@ -34,10 +35,10 @@ def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingP
         f"ServeReplica:{app_name}:{engine}": "engine",
     }
     found = []
-    for actor in state.actors().values():
+    for actor_id, actor in state.actors().items():
         role = roles.get(actor.get("ActorClassName"))
         if role is not None and actor.get("State") == "ALIVE" and actor.get("Pid"):
-            found.append(ServingProcess(role, int(actor["Pid"])))
+            found.append(ServingProcess(role, int(actor["Pid"]), actor_id))
     return sorted(found, key=lambda p: (p.role, p.pid))
 
 

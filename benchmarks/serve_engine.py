@@ -5,7 +5,8 @@ into the same figures as the HTTP side.
 `drive(engine, specs, offsets)` adds each request when its arrival time comes (between steps,
 and while a step runs, as the served engine's inbox does), steps the engine until every request
 is done, and times each token as the host sees it come out of a step. A request's clock starts
-at its arrival, as an HTTP request's starts when it is sent.
+at its arrival, as an HTTP request's starts when it is sent. bench_churn drives its engine here
+too, reading the engine's own request objects (queue and admission times) and adapter waits.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from workloads.requests import RequestSpec
 @dataclass(frozen=True)
 class DriveResult:
     records: list[RequestRecord]  # one per spec, in workload order
+    requests: list[Request | None]  # the engine's, per spec (queue_s, admitted_at); None: not added
+    adapter_waits: list[float]  # the engine's adapter_wait_s of each request that finished
     duration_s: float  # from the first arrival to the last token
     stats: tuple[dict, dict]  # EngineStats fields before and after the run
 
@@ -43,6 +46,7 @@ class _Timeline:
     spec: RequestSpec
     offset: float  # arrival, seconds after the start
     stamps: list[float]  # when each output token left a step (monotonic)
+    request: Request | None = None
     error: str | None = None
     status: int | None = None
 
@@ -55,6 +59,7 @@ def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]
     order = sorted(range(len(specs)), key=lambda i: offsets[i])
     pending = [(float(offsets[i]), specs[i]) for i in order]
     timelines: dict[str, _Timeline] = {}
+    waits: list[float] = []
     before = engine.stats()
     start = time.monotonic()
     next_due = 0
@@ -73,6 +78,7 @@ def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]
             params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
             adapter = None if spec.is_base else spec.model
             request = Request(rid, list(spec.prompt), params, adapter, arrival_time=start + offset)
+            line.request = request
             try:
                 engine.add_request(request)
             except RequestRejected as e:
@@ -91,6 +97,8 @@ def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]
             line = timelines[out.request_id]
             if out.new_token_ids:
                 line.stamps.extend([stamp] * len(out.new_token_ids))
+            if out.metrics:
+                waits.append(out.metrics["adapter_wait_s"])
             if out.error:
                 line.error, line.status = (
                     out.error,
@@ -102,6 +110,8 @@ def drive(engine: Engine, specs: Sequence[RequestSpec], offsets: Sequence[float]
     after = engine.stats()
     return DriveResult(
         records=[_record(timelines[str(s.index)], start) for s in specs],
+        requests=[timelines[str(s.index)].request for s in specs],
+        adapter_waits=waits,
         duration_s=end - start,
         stats=(asdict(before), asdict(after)),
     )

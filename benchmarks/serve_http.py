@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from app.config import AppArgs
-from benchmarks.bench_router_serve import wait_healthy
+from benchmarks.common import wait_healthy
 from benchmarks.loadgen import OpenAIClient, RequestSpec, run_benchmark
 from benchmarks.loadgen.runner import warm_up
 from benchmarks.serve_cpu import (
@@ -134,13 +134,9 @@ async def sweep(client, handle, wl: Workload, stream: Stream, timeout_s: float) 
     at_rate: dict[float, Measured] = {}
 
     async def measure(rate: float) -> dict:
-        n = len(stream.specs)
-        point = stream.at(rate)
-        point = Stream(
-            point.label,
-            point.specs,
-            replace(point.load, timeout_s=min(timeout_s, 1.5 * n / rate + 60.0)),
-        )
+        timeout = min(timeout_s, 1.5 * len(stream.specs) / rate + 60.0)
+        point = Stream(stream.label, stream.specs,
+                       replace(stream.load, request_rate=rate, timeout_s=timeout))  # fmt: skip
         measured = await http_run(client, handle, point)
         at_rate[rate] = measured
         print(f"rate {rate:.3g}:", json.dumps(row(stream.label, "http", measured)), flush=True)
@@ -175,9 +171,8 @@ def deploy_and_measure(
 
     async def measure_then_shut_down() -> HttpPhase:
         try:
-            return await http_phase(url, wl, work, warm, args.run_timeout,
-                                    getattr(args, "profile", None),
-                                    getattr(args, "profile_stream", 0))  # fmt: skip
+            return await http_phase(url, wl, work, warm, args.run_timeout, args.profile,
+                                    args.profile_stream)  # fmt: skip
         finally:
             # On the loop the handles ran on: with Serve's router on the caller's loop
             # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1), a shutdown after that loop closed fails.

@@ -90,8 +90,7 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
         sum(m.busy_share) / len(m.busy_share) if m.busy_share else None
     )  # the replicas' mean
     figures["requests_per_replica"] = m.requests_per_replica or None
-    for name, value in (m.steps or {}).items():
-        figures[name] = value
+    figures.update(m.steps or {})
     if m.host_cpu is not None:
         figures["host_cpu_us_per_token"] = m.host_cpu["us_per_token"]
         figures["host_cpu_us_per_token_by_process"] = m.host_cpu.get("us_per_token_by_process")
