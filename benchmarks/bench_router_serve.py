@@ -49,8 +49,8 @@ import httpx
 import torch
 
 from benchmarks.common import device_name, free_port, wait_healthy, write_results
-from benchmarks.loadgen import LengthRange, LoadConfig, OpenAIClient, RunReport, run_benchmark
-from benchmarks.loadgen.runner import warm_up
+from loadgen import LengthRange, LoadConfig, OpenAIClient, RunReport, run_benchmark
+from loadgen.runner import warm_up
 from replicas.models.spec import ModelSpec
 from synthetic.adapters import write_fleet
 from synthetic.models import write_model

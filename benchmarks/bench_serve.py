@@ -34,7 +34,6 @@ import yaml
 from app.config import AppArgs
 from benchmarks.bench_router_serve import add_run_options
 from benchmarks.common import device_name
-from benchmarks.loadgen import RequestSpec, summarize
 from benchmarks.serve_engine import drive
 from benchmarks.serve_goodput import Objectives
 from benchmarks.serve_http import HttpPhase, deploy_and_measure
@@ -58,6 +57,7 @@ from benchmarks.serve_workloads import (
     streams,
     warmup_specs,
 )
+from loadgen import RequestSpec, summarize
 from replicas.models.spec import ModelSpec
 from synthetic.adapters import write_fleet
 from synthetic.models import write_model

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from app.protocol import HTTP_STATUS
-from benchmarks.loadgen.records import Outcome, RequestRecord
+from loadgen.records import Outcome, RequestRecord
 from replicas.engine import Engine, RequestRejected
 from replicas.errors import ErrorKind
 from replicas.request import Request, SamplingParams

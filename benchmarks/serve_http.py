@@ -19,8 +19,6 @@ import torch
 
 from app.config import AppArgs
 from benchmarks.common import wait_healthy
-from benchmarks.loadgen import OpenAIClient, RequestSpec, run_benchmark
-from benchmarks.loadgen.runner import warm_up
 from benchmarks.serve_cpu import (
     busiest_threads,
     cpu_per_token,
@@ -31,6 +29,8 @@ from benchmarks.serve_cpu import (
 from benchmarks.serve_goodput import Goodput, Objectives, search
 from benchmarks.serve_report import Measured, fleet_figures, row, step_figures
 from benchmarks.serve_workloads import Stream, Workload
+from loadgen import OpenAIClient, RequestSpec, run_benchmark
+from loadgen.runner import warm_up
 
 APP_NAME = "bench-serve"
 ENGINE_DEPLOYMENT = "EngineDeployment"

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.loadgen import LengthRange, LoadConfig, RequestSpec, WorkloadConfig, build_workload
+from loadgen import LengthRange, LoadConfig, RequestSpec, WorkloadConfig, build_workload
 from synthetic.presets import LLAMA3_8B, TINY
 from workloads.arrivals import arrival_offsets
 from workloads.requests import rng_for

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from benchmarks.bench_serve import app_args, parse_args
-from benchmarks.loadgen import LengthRange, LoadConfig, OpenAIClient, run_load, summarize
 from benchmarks.serve_engine import drive
 from benchmarks.serve_goodput import Objectives, search
 from benchmarks.serve_report import Measured, fleet_figures, ratios, row, save, step_figures
@@ -26,12 +25,13 @@ from benchmarks.serve_roofline import (
     roofline,
 )
 from benchmarks.serve_workloads import Stream, streams
+from loadgen import LengthRange, LoadConfig, OpenAIClient, run_load, summarize
 from replicas.engine import Engine
 from replicas.models.spec import ModelSpec
 from synthetic.adapters import write_fleet
 from synthetic.models import write_model
 from synthetic.presets import LLAMA3_8B, TINY
-from tests.benchmarks.fake_server import FakeConfig, FakeTransport, serve
+from tests.loadgen.fake_server import FakeConfig, FakeTransport, serve
 
 
 def summary_of(ttft_p99_ms: float, itl_p99_ms: float, failed: int = 0) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.loadgen.records import RequestRecord
+from loadgen.records import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from benchmarks.loadgen.metrics import SLO, per_adapter, summarize
-from benchmarks.loadgen.progress import make_progress
-from benchmarks.loadgen.records import RequestRecord
-from benchmarks.loadgen.runner import LoadConfig, LoadResult, Sender, run_load, warm_up
-from benchmarks.loadgen.server_stats import numeric_diff
+from loadgen.metrics import SLO, per_adapter, summarize
+from loadgen.progress import make_progress
+from loadgen.records import RequestRecord
+from loadgen.runner import LoadConfig, LoadResult, Sender, run_load, warm_up
+from loadgen.server_stats import numeric_diff
 from workloads.requests import RequestSpec
 
 

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from benchmarks.loadgen.records import Outcome, RequestRecord
-from benchmarks.loadgen.runner import LoadConfig, run_load, warm_up
+from loadgen.records import Outcome, RequestRecord
+from loadgen.runner import LoadConfig, run_load, warm_up
 from workloads.requests import LengthRange, WorkloadConfig, build_workload
 
 

@@ -8,10 +8,10 @@ import socket
 
 import pytest
 
-from benchmarks.loadgen.__main__ import amain, build_parser, main
-from benchmarks.loadgen.client import OpenAIClient
-from benchmarks.loadgen.records import Outcome
-from tests.benchmarks.fake_server import ADAPTERS, BASE, BROKEN, FakeConfig, FakeTransport, serve
+from loadgen.__main__ import amain, build_parser, main
+from loadgen.client import OpenAIClient
+from loadgen.records import Outcome
+from tests.loadgen.fake_server import ADAPTERS, BASE, BROKEN, FakeConfig, FakeTransport, serve
 from workloads.requests import RequestSpec
 
 FIRST_TOKEN_DELAY_S = FakeConfig().first_token_delay_s
@@ -32,7 +32,7 @@ async def send_one(url: str, s: RequestSpec, **client_options):
 
 async def run_cli(*argv: str) -> dict:
     args = build_parser().parse_args([*argv, "--no-progress"])
-    return await amain(args, "python -m benchmarks.loadgen " + " ".join(argv))
+    return await amain(args, "python -m loadgen " + " ".join(argv))
 
 
 def send_timed(virtual, config: FakeConfig, s: RequestSpec):

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import httpx
 
-from benchmarks.loadgen.metrics import chunk_token_counts, inter_token_latencies
-from benchmarks.loadgen.records import Outcome, RequestRecord
+from loadgen.metrics import chunk_token_counts, inter_token_latencies
+from loadgen.records import Outcome, RequestRecord
 from workloads.requests import RequestSpec
 
 Endpoint = Literal["completions", "chat"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.loadgen.metrics import (
+from loadgen.metrics import (
     SLO,
     chunk_token_counts,
     distribution_ms,
@@ -14,8 +14,8 @@ from benchmarks.loadgen.metrics import (
     per_adapter,
     summarize,
 )
-from benchmarks.loadgen.records import Outcome, RequestRecord
-from benchmarks.loadgen.server_stats import numeric_diff
+from loadgen.records import Outcome, RequestRecord
+from loadgen.server_stats import numeric_diff
 
 
 def ok(ttft: float, e2e: float, tokens: int, model: str = "a", **extra) -> RequestRecord:

@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Protocol, TextIO
 
-from benchmarks.loadgen.records import RequestRecord
+from loadgen.records import RequestRecord
 
 
 class Progress(Protocol):

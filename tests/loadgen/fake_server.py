@@ -7,7 +7,7 @@ chunks of `tokens_per_chunk`, each chunk `token_delay_s` per token after the pre
 latency grows with the offered load.
 
 `FakeTransport` answers the same completions without a server: on a virtual-time loop
-(tests/benchmarks/virtual_time.py) a client's timings then come out exactly as configured.
+(tests/loadgen/virtual_time.py) a client's timings then come out exactly as configured.
 """
 
 from __future__ import annotations

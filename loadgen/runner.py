@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from benchmarks.loadgen.progress import NoProgress, Progress
-from benchmarks.loadgen.records import Outcome, RequestRecord
+from loadgen.progress import NoProgress, Progress
+from loadgen.records import Outcome, RequestRecord
 from workloads.arrivals import arrival_offsets
 from workloads.requests import RequestSpec, rng_for
 

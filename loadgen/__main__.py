@@ -1,4 +1,4 @@
-"""`python -m benchmarks.loadgen`: load-test an OpenAI-compatible server. See the package
+"""`python -m loadgen`: load-test an OpenAI-compatible server. See the package
 docstring for examples; `--help` for every option."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 import httpx
 
-from benchmarks.loadgen.benchmark import WarmupFailed, run_benchmark
-from benchmarks.loadgen.client import PATHS, OpenAIClient
-from benchmarks.loadgen.metrics import SLO
-from benchmarks.loadgen.report import to_json, to_markdown, write_plot
-from benchmarks.loadgen.runner import LoadConfig
+from loadgen.benchmark import WarmupFailed, run_benchmark
+from loadgen.client import PATHS, OpenAIClient
+from loadgen.metrics import SLO
+from loadgen.report import to_json, to_markdown, write_plot
+from loadgen.runner import LoadConfig
 from workloads.popularity import POPULARITIES
 from workloads.requests import LengthRange, WorkloadConfig, build_workload, workload_digest
 
@@ -43,7 +43,7 @@ def _length(text: str) -> LengthRange:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.loadgen",
+        prog="python -m loadgen",
         description="Load-test an OpenAI-compatible server with many LoRA adapters: seeded "
         "arrivals, adapter popularity and lengths; streaming TTFT/ITL/TPOT/E2E, throughput and "
         "goodput.",
@@ -288,7 +288,7 @@ async def amain(args: argparse.Namespace, command: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    command = "python -m benchmarks.loadgen " + shlex.join(argv)
+    command = "python -m loadgen " + shlex.join(argv)
     try:
         report = asyncio.run(amain(args, command))
     except (WarmupFailed, ValueError) as e:

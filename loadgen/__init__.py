@@ -1,17 +1,17 @@
 """A load generator for OpenAI-compatible servers serving many LoRA adapters.
 
     # 200 requests, Poisson at 4 req/s, zipf popularity over the server's adapters, 10% base
-    python -m benchmarks.loadgen --base-url http://127.0.0.1:8000 --adapters-from-server \\
+    python -m loadgen --base-url http://127.0.0.1:8000 --adapters-from-server \\
         --popularity zipf --zipf-s 1.1 --base-fraction 0.1 --num-prompts 200 \\
         --request-rate 4 --input-len 200:1000 --output-len 100:400 \\
         --slo-ttft-ms 500 --slo-tpot-ms 50 --output-json results/zipf.json
 
     # A closed loop of 16 clients over 32 named adapters, round robin, chat endpoint
-    python -m benchmarks.loadgen --endpoint chat --num-adapters 32 --adapter-prefix demo- \\
+    python -m loadgen --endpoint chat --num-adapters 32 --adapter-prefix demo- \\
         --popularity distinct --max-concurrency 16 --num-prompts 500
 
     # A rate sweep with a plot (pip install -e '.[bench]' for matplotlib)
-    python -m benchmarks.loadgen --adapters a,b,c --sweep-rates 1,2,4,8 --num-prompts 300 \\
+    python -m loadgen --adapters a,b,c --sweep-rates 1,2,4,8 --num-prompts 300 \\
         --output-json sweep.json --output-md sweep.md --plot sweep.png
 
 The workload (models, prompts, lengths) and the arrival pattern are seeded (`--seed`), so two
@@ -30,11 +30,11 @@ them:
   progress.py      the progress bar
 """
 
-from benchmarks.loadgen.benchmark import BenchmarkResult, RunReport, run_benchmark
-from benchmarks.loadgen.client import OpenAIClient
-from benchmarks.loadgen.metrics import SLO, per_adapter, summarize
-from benchmarks.loadgen.records import Outcome, RequestRecord
-from benchmarks.loadgen.runner import LoadConfig, run_load
+from loadgen.benchmark import BenchmarkResult, RunReport, run_benchmark
+from loadgen.client import OpenAIClient
+from loadgen.metrics import SLO, per_adapter, summarize
+from loadgen.records import Outcome, RequestRecord
+from loadgen.runner import LoadConfig, run_load
 from workloads.requests import LengthRange, RequestSpec, WorkloadConfig, build_workload
 
 __all__ = [

@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 import sys
 
-from benchmarks.loadgen.progress import TextBar
-from benchmarks.loadgen.records import Outcome, RequestRecord
-from benchmarks.loadgen.report import write_plot
+from loadgen.progress import TextBar
+from loadgen.records import Outcome, RequestRecord
+from loadgen.report import write_plot
 
 
 def record(outcome: Outcome) -> RequestRecord:

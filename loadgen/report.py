@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loadgen.benchmark import BenchmarkResult, RunReport
-from benchmarks.loadgen.metrics import SLO
+from loadgen.benchmark import BenchmarkResult, RunReport
+from loadgen.metrics import SLO
 from workloads.requests import WorkloadConfig
 
 SCHEMA = "lorafleet.loadgen/1"

@@ -1,0 +1,1 @@
+from tests.loadgen.fixtures import fake_url, virtual  # noqa: F401  (fixtures)
