@@ -67,6 +67,9 @@ from workloads.router_cell import adapter_names
 
 # The H200 step calibration `python -m sim.calibrate` measured (Llama-3-8B shapes, rank 16).
 CALIBRATION = Path(__file__).parent / "results" / "sim_calibration.json"
+# The host's part of a step on that H200, engine in-process (launch_ms / step_ms at 123
+# sequences a step, 32 adapters, bench_serve_saturated_x4host): 5.64 / 19.2 ms.
+HOST_SHARE = 0.29
 TINY_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim")  # fmt: skip
 
@@ -198,15 +201,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="no GPU: the engine's steps take the calibrated GPU time (sim.calibrate's JSON, "
         f"default {CALIBRATION}) with the workload's shapes made tiny, on CPU",
     )
+    ap.add_argument(
+        "--host-share",
+        type=float,
+        default=HOST_SHARE,
+        metavar="F",
+        help="with --timed: the share of each step spent launching it, holding the GIL "
+        f"(default {HOST_SHARE}: an H200 engine in-process, launch 5.64 of 19.2 ms a step at 123 "
+        "sequences, bench_serve_saturated_x4host); 0: steps only sleep",
+    )
     add_run_options(ap, "bench_serve", 900.0, "CPU, tiny model, a handful of requests")
     args = ap.parse_args(argv)  # fmt: skip
     wl = (SMOKE if args.smoke else WORKLOADS)[args.workload]
     if args.num_requests is not None:
         wl = replace(wl, num_requests=args.num_requests)
     args.overrides = parse_set(args.set)
+    if not 0.0 <= args.host_share <= 1.0:
+        ap.error("--host-share is a share of a step, in [0, 1]")
     if args.timed is not None:
         wl = timed(wl)
-        args.overrides.setdefault("timed_steps", str(Path(args.timed).resolve()))
     args.spec = wl
     on_cpu = args.smoke or args.timed is not None or not torch.cuda.is_available()
     args.device = "cpu" if on_cpu else "cuda"
@@ -217,6 +230,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.name += "_timed" if args.timed is not None else ""
         args.name += "_smoke" if args.smoke else ""
     return args
+
+
+def timed_calibration(args: argparse.Namespace, root: Path) -> Path:
+    """The calibration the timed engine reads: --timed's, with --host-share in its step."""
+    data = json.loads(Path(args.timed).read_text())
+    data["step"] = {**data["step"], "host_share": args.host_share}
+    path = root / "timed_steps.json"
+    path.write_text(json.dumps(data))
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
@@ -231,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     spec = ModelSpec.from_dir(model_dir)
     names = adapter_names(wl.num_adapters)
     fleet = write_fleet(root, spec, names, wl.rank)
+    if args.timed is not None:
+        args.overrides.setdefault("timed_steps", str(timed_calibration(args, root)))
     app = app_args(args, wl, model_dir, fleet)
     ceilings = measure_ceilings(spec, args.device)
     print("ceilings", ceilings.to_json(), flush=True)
@@ -266,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "scheduler, adapter manager) is real and on this CPU. The roofline is no floor here"
         )
         meta["calibration"] = json.loads(Path(args.timed).read_text()).get("source", {})
+        meta["host_share"] = args.host_share
     elif args.device == "cpu":
         meta["note"] = (
             "CPU: the ceilings come from a float32 product of a tiny model's shapes and a 64 MiB "

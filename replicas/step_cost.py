@@ -5,6 +5,10 @@
 fitted by least squares to steps measured on a GPU (`python -m sim.calibrate`, whose JSON keeps
 the coefficients under "step"). `seqs` is the number of sequences in the step, `adapters` the
 distinct adapters among them, `prefill` the prompt tokens computed in the step.
+
+`host_share` is the part of a step the host spends launching it, holding the GIL (the model
+runner's `last_launch_s` over the step); the timed runner spends it running Python, so the
+threads that share the engine's process wait for it as they do for a GPU step's launches.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class StepCost:
     per_seq_s: float
     per_adapter_s: float
     prefill_token_s: float
+    host_share: float = 0.0
 
     def step_s(self, seqs: int, adapters: int, prefill_tokens: int) -> float:
         return (
@@ -65,4 +70,6 @@ def load_step_cost(path: str | Path) -> StepCost:
         raise ValueError(f"{path} is not a step calibration (sim.calibrate's JSON): {e}") from None
     if min(cost.base_s, cost.per_seq_s, cost.per_adapter_s, cost.prefill_token_s) < 0:
         raise ValueError(f"{path}: step costs cannot be negative")
+    if not 0.0 <= cost.host_share <= 1.0:
+        raise ValueError(f"{path}: host_share is a share of a step, in [0, 1]")
     return cost

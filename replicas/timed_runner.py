@@ -8,7 +8,10 @@ measured on a GPU by `python -m sim.calibrate`).
 
 A step's host work (laying the batch out, the adapter manager's per-step work, taking in new
 requests while it "runs") is done for real and overlaps the modelled device time, as it does
-when the GPU replays a step; the thread then sleeps out the rest, holding no lock and no GIL.
+when the GPU replays a step. The launches a GPU step would make take the calibration's
+`host_share` of the step, spent running Python (holding the GIL, handed over only at the
+interpreter's switch interval, as launching code does); the thread then sleeps out the rest,
+holding no lock and no GIL.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class TimedRunner:
         prefill = sum(s.num_new_tokens for s in seqs if s.num_new_tokens > 1)
         done_at = started + self.cost.step_s(len(seqs), len(set(step.seg_slots)), prefill)
         tokens = [self._token(s) for s in seqs if s.samples]
+        _run_python_until(started + self.cost.host_share * (done_at - started))
         self.last_launch_s = time.monotonic() - started
         if while_running is not None and while_running():
             while (left := done_at - time.monotonic()) > 0:
@@ -86,3 +90,10 @@ class TimedRunner:
         req = seq.request
         k = req.num_prompt_tokens * 131 + len(req.output_token_ids) * 17
         return self._tokens[k % len(self._tokens)]
+
+
+def _run_python_until(deadline: float) -> None:
+    """Busy with bytecode until `deadline` (monotonic): the GIL is held as launching kernels
+    holds it, so other threads of the process get it only at switch intervals."""
+    while time.monotonic() < deadline:
+        pass

@@ -5,11 +5,12 @@ serving processes' CPU per token read from the OS. No timing is asserted: the fi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 
-from benchmarks.bench_serve import CALIBRATION, main
+from benchmarks.bench_serve import CALIBRATION, HOST_SHARE, main
 
 pytestmark = pytest.mark.serve
 
@@ -29,7 +30,11 @@ def test_both_paths_complete_every_request_on_timed_steps(results):
     rows = {row["path"]: row for row in results["rows"]}
     assert rows["http"]["completed"] == rows["in-process"]["completed"] == 12
     assert rows["http"]["failed"] == rows["in-process"]["failed"] == 0
-    assert results["app_args"]["timed_steps"] == str(CALIBRATION.resolve())
+    # the engine reads the calibration with the host's share of a step added
+    timed = json.loads(Path(results["app_args"]["timed_steps"]).read_text())
+    measured = json.loads(CALIBRATION.read_text())["step"]
+    assert timed["step"] == {**measured, "host_share": HOST_SHARE}
+    assert results["host_share"] == HOST_SHARE
     assert results["app_args"]["device"] == "cpu"
     assert results["calibration"]["device"]  # the GPU whose steps are modelled
 

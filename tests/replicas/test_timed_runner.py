@@ -64,12 +64,28 @@ def test_no_step_is_shorter_than_its_modelled_time(models, calibration):
     engine.shutdown()
 
 
+def test_a_steps_host_share_is_spent_before_its_last_launch(models, tmp_path):
+    """The launches take `host_share` of the modelled step (running Python, so holding the
+    GIL as a GPU step's launches do): a step's host part lasts at least that long."""
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"step": {**COST, "host_share": 0.5}}))
+    engine = timed_engine(models["llama"], path)
+    run_to_completion(engine, requests())
+    cost = StepCost(**COST)
+    for t in engine.step_timings():
+        prefill = t.num_tokens - t.num_seqs if t.num_tokens > t.num_seqs else 0
+        assert t.launch_s >= 0.5 * cost.step_s(t.num_seqs, 0, prefill) - 1e-4, t
+        assert t.total_s >= cost.step_s(t.num_seqs, 0, prefill) - 1e-4, t
+    engine.shutdown()
+
+
 @pytest.mark.parametrize(
     ("content", "words"),
     [
         ("not json", "not a step calibration"),
         (json.dumps({"copy_s": 1}), "not a step calibration"),
         (json.dumps({"step": {**COST, "base_s": -1.0}}), "negative"),
+        (json.dumps({"step": {**COST, "host_share": 1.5}}), "share of a step"),
     ],
 )
 def test_a_bad_calibration_is_refused_with_its_path(tmp_path, content, words):
