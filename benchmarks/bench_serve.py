@@ -67,9 +67,9 @@ from workloads.router_cell import adapter_names
 
 # The H200 step calibration `python -m sim.calibrate` measured (Llama-3-8B shapes, rank 16).
 CALIBRATION = Path(__file__).parent / "results" / "sim_calibration.json"
-# The host's part of a step on that H200, engine in-process (launch_ms / step_ms at 123
-# sequences a step, 32 adapters, bench_serve_saturated_x4host): 5.64 / 19.2 ms.
-HOST_SHARE = 0.29
+# --host-share by default: steps sleep. docs/perf/serving.md says what a share held as bytecode
+# does to the served path and why it overstates a GPU engine's launches.
+HOST_SHARE = 0.0
 TINY_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim")  # fmt: skip
 
@@ -206,9 +206,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=HOST_SHARE,
         metavar="F",
-        help="with --timed: the share of each step spent launching it, holding the GIL "
-        f"(default {HOST_SHARE}: an H200 engine in-process, launch 5.64 of 19.2 ms a step at 123 "
-        "sequences, bench_serve_saturated_x4host); 0: steps only sleep",
+        help="with --timed: the share of each step spent running Python before it sleeps, "
+        "holding the GIL as launches do (default 0: steps only sleep; 0.29 is an H200 engine's "
+        "launch share in-process, 5.64 of 19.2 ms a step at 123 sequences)",
     )
     add_run_options(ap, "bench_serve", 900.0, "CPU, tiny model, a handful of requests")
     args = ap.parse_args(argv)  # fmt: skip
