@@ -154,8 +154,8 @@ class Fleet:
         self._retired: list[_Replica] = []
         self._by_engine: dict[str, tuple[SimRequest, Router, str]] = {}
         self._hints: list[SimHints] = []
+        # Routers start with their first request and connect then (`Controller.connect`).
         self.routers = [self._router(i) for i in range(config.num_routers)]
-        self.controller.routers = self.routers
         for _ in range(config.num_replicas):
             self._add_replica()
         self.loop.after(config.serve.stats_period_s, self._poll_stats)
@@ -189,7 +189,7 @@ class Fleet:
                 num_slots=c.replica.max_loras_per_batch,
                 policy_kwargs=dict(c.policy_kwargs),
             )
-        return Router(f"router-{index}", self.loop, self, choice, c.serve, rng)
+        return Router(f"router-{index}", self.loop, self, choice, c.serve, rng, self.controller)
 
     def _add_replica(self) -> str:
         index = len(self.replicas) + len(self._retired)

@@ -11,7 +11,11 @@ replicas/deployment/replica.py `EngineDeployment.publish_residency`.
   stats when their residency changes, checked every `push_period_s` (0.1 s); the controller also
   polls routing stats every `stats_period_s`; either marks the deployment dirty, and the
   control loop (every `control_loop_s`, 0.1 s) broadcasts the running replicas to every router,
-  which receives them `broadcast_s` later (long poll).
+  which receives them `broadcast_s` later (long poll). A router starts with its handle's first
+  request (`DeploymentHandle._init`, called by the first `.options()`: the ingress's engine
+  handle is not initialized before); its own first long poll is answered at once with the
+  running replicas (router.py `AsyncioRouter`: "a fast initial update"), so it learns them
+  `broadcast_s` after that request, not at the next control loop.
 - `Router`: one per caller handle. Pending requests queue in FIFO order; up to
   min(pending, 2 x replicas, 50) routing tasks run, each taking the next request to route and
   repeating `choose_replicas` -> pick within each tier -> back off, until that request has a
@@ -64,7 +68,6 @@ class ServeConfig:
     max_routing_tasks_cap: int = 50  # RequestRouter.max_num_routing_tasks_cap
     hint_latency_s: float = 0.002  # router -> hint board -> replica's long poll
     hint_interval_s: float = HINT_INTERVAL_S
-    no_replicas_wait_s: float = 0.05  # a task with no replicas waits for an update
 
 
 @dataclass
@@ -134,6 +137,13 @@ class Controller:
         self._dirty = False
         loop.after(config.control_loop_s, self._control_loop)
 
+    def connect(self, router: Router) -> None:
+        """A router starts: its first long poll is answered at once with the running replicas
+        (`broadcast_s` later), and it hears every broadcast from then on."""
+        if router not in self.routers:
+            self.routers.append(router)
+        self.loop.after(self.config.broadcast_s, router.update_replicas, list(self.infos.values()))
+
     def add_replica(self, replica_id: str) -> None:
         self.infos[replica_id] = ReplicaInfo(replica_id)
         self._dirty = True
@@ -194,8 +204,13 @@ class Router:
         choice: Choice,
         config: ServeConfig,
         rng: random.Random,
+        controller: Controller | None = None,
     ) -> None:
+        """`controller`: connected on the first request (the handle's start); None: the
+        caller feeds `update_replicas` itself."""
         self.name = name
+        self.controller = controller
+        self.started = controller is None
         self.loop = loop
         self.endpoint = endpoint
         self.choice = choice
@@ -258,6 +273,9 @@ class Router:
         """`_choose_replica_for_request`: queue it (a retry in order of creation) and start
         routing tasks."""
         request.assigned = False
+        if not self.started and self.controller is not None:
+            self.started = True
+            self.controller.connect(self)
         if is_retry:
             _insert_by_creation(self._to_fulfill, request)
             _insert_by_creation(self._to_route, request)
@@ -305,7 +323,10 @@ class Router:
         return min(self._num_pending, cap)
 
     def _maybe_start_tasks(self) -> None:
-        """`_maybe_start_routing_tasks`."""
+        """`_maybe_start_routing_tasks`. With no replicas known, requests wait for the next
+        update, which starts the tasks (Ray's tasks wait on the replicas-updated event)."""
+        if not self.replicas:
+            return
         for _ in range(self._target_tasks - len(self._tasks)):
             self._tasks.add(self.loop.spawn(self._fulfil_pending))
 
@@ -328,8 +349,10 @@ class Router:
                 attempt = 0
                 entered_backoff = False
                 while not request.assigned:
-                    while not self.replicas:
-                        yield self.config.no_replicas_wait_s
+                    if not self.replicas:  # all gone: the request waits for the next update
+                        self._to_route.appendleft(request)
+                        self._task_of.pop(request.rid, None)
+                        return
                     for tier in self.choice.choose_replicas(self, request):
                         if not tier:
                             continue

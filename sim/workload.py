@@ -10,6 +10,15 @@ import math
 import random
 from dataclasses import dataclass
 
+# One request after another: how loadgen's `warm_up` burst ("all at once": `asyncio.gather`
+# over the list) reaches an HTTP server. `python -m sim.burst` sent a cell's warm-up to a local
+# uvicorn server in a process of its own: 64 requests arrived over 4-47 ms (median 18 ms, 25
+# bursts), 256 over 36-148 ms (median 102 ms, 5 bursts), in the order sent or partly reordered,
+# never at one instant. Serve's proxy and the ingresses only add time. The predictions do not
+# hang on the gap: the same loads for an easy cell's 64 over 5 ms to 0.2 s, and for
+# placement-4x affinity's 256 at 0.1 to 1 ms a request (docs/perf/routing_sim.md).
+BURST_GAP_S = 0.00035
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -61,7 +70,8 @@ def serving_benchmark(
 ) -> Workload:
     """The requests of one routing cell as `benchmarks/bench_router_serve.py` sends them
     (`workloads.router_cell`): a warm-up over every adapter in turn, all at once with short
-    outputs, then the seeded workload at Poisson `rate`."""
+    outputs (a burst, in the order sent, `BURST_GAP_S` apart), then the seeded workload at
+    Poisson `rate`."""
     from workloads.arrivals import arrival_offsets
     from workloads.requests import LengthRange, rng_for, workload_digest
     from workloads.router_cell import adapter_names, cell_requests
@@ -85,7 +95,7 @@ def serving_benchmark(
         return Arrival(float(t), adapter, spec.input_len, spec.output_len)
 
     return Workload(
-        warmup=tuple(arrival(0.0, s) for s in warm),
+        warmup=tuple(arrival(i * BURST_GAP_S, s) for i, s in enumerate(warm)),
         measured=tuple(arrival(t, s) for t, s in zip(offsets, measured, strict=True)),
         gap_s=1.0,  # measure(): `asyncio.sleep(1.0)` after the warm-up
         name=popularity,

@@ -120,3 +120,46 @@ class TestServedPath:
         plain = predict(cell, calibration(), ("pow2",), seeds=1)["pow2"]
         served = predict(cell, calibration(), ("pow2",), seeds=1, served=ServedPath(0.0, 0.002))
         assert served["pow2"]["itl_p50_ms"] == pytest.approx(plain["itl_p50_ms"] + 2.0, abs=0.1)
+
+
+class TestWarmupBurst:
+    """The benchmark's warm-up is sent "all at once" by one client, so its requests arrive one
+    after another in the order sent (`python -m sim.burst`), not at one instant; the engines
+    then take them in that order."""
+
+    def test_the_warm_up_arrives_in_the_order_sent(self):
+        from sim.workload import BURST_GAP_S
+
+        warm = CELLS["easy-4x"].workload().warmup
+        times = [a.t for a in warm]
+        assert times == sorted(times) and len(set(times)) == len(times)
+        assert times[-1] == pytest.approx((len(warm) - 1) * BURST_GAP_S)
+        assert [a.adapter for a in warm] == [f"lora-{i}" for i in range(64)]
+
+    @pytest.mark.parametrize(
+        ("name", "router"), [("easy-2x", "pow2"), ("easy-2x", "affinity"), ("easy-4x", "pow2")]
+    )
+    def test_the_first_adapters_sent_hold_no_slot_when_the_run_starts(self, name, router):
+        # Each engine admits its share of the burst about in the order sent, and its slots
+        # keep the last ones admitted: the adapters sent first, the most popular, start cold
+        # (so the run's first requests for them load them: the measured loads).
+        from sim.fleet import Fleet, FleetConfig
+
+        cell = CELLS[name]
+        config = FleetConfig(
+            num_replicas=cell.replicas, router=router, num_routers=cell.routers,
+            replica=cell.replica_config(),
+        )  # fmt: skip
+        fleet = Fleet(config, cell.workload(), calibration().for_rank(cell.rank))
+        on_gpu: list[str] = []
+        start = fleet._start_measured
+
+        def snapshot() -> None:
+            for replica in fleet.replicas.values():
+                on_gpu.extend(replica.engine.adapters.residency()["gpu"])
+            start()
+
+        fleet._start_measured = snapshot  # type: ignore[method-assign]
+        fleet.run(max_t=10.0)
+        assert len(on_gpu) == cell.replicas * cell.slots  # every slot filled by the warm-up
+        assert not set(on_gpu) & {f"lora-{i}" for i in range(8)}

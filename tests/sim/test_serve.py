@@ -126,3 +126,31 @@ def test_loading_adapters_are_published_as_multiplexed_ids():
     info = f.routers[0].replicas["replica-000"]
     assert "slow" in info.multiplexed_model_ids
     assert info.routing_stats["loading"] == ["slow"] and info.routing_stats["gpu"] == []
+
+
+class TestRouterStart:
+    """A caller's router starts with its handle's first request (`DeploymentHandle._init`) and
+    its first long poll is answered at once with the replicas already running, so the first
+    requests are routed on arrival, not held until the controller's next control loop."""
+
+    @pytest.mark.parametrize("router", ["pow2", "affinity"])
+    def test_the_first_requests_reach_a_replica_before_the_control_loop(self, router):
+        config = FleetConfig(num_replicas=2, router=router, num_routers=2)
+        burst = tuple(Arrival(0.0, f"a{i}", 16, 4) for i in range(8))
+        f = Fleet(config, Workload((), burst, None), CAL)
+        for arrival in burst:
+            f.loop.at(0.0, f._send, arrival, True)
+        serve = config.serve
+        f.loop.run(max_t=serve.broadcast_s + 4 * serve.rpc_s)
+        assert serve.broadcast_s + 4 * serve.rpc_s < serve.control_loop_s
+        assert all(r.engine is not None for r in f.requests)  # each on a replica's engine
+
+    def test_a_router_connects_on_its_first_request_only(self):
+        config = FleetConfig(num_replicas=2, router="pow2", num_routers=3)
+        f = Fleet(config, Workload((), (Arrival(0.0, "a", 16, 4),), None), CAL)
+        assert not any(r.started for r in f.routers)
+        f.loop.at(0.0, f._send, f.workload.measured[0], True)
+        f.loop.run(max_t=0.05)
+        started = [r for r in f.routers if r.started]
+        assert len(started) == 1 and set(started[0].replicas) == set(f.replicas)
+        assert f.controller.routers == started  # broadcasts go to started routers only
