@@ -1,6 +1,7 @@
 """The asyncio front of the engine (replicas/async_engine.py): each step's outputs reach the
 streams in one callback, and a stream's tokens are sent in fewer, larger chunks,
-with the same tokens in the same order."""
+with the same tokens in the same order; the same whether the engine runs on a thread of this
+process or in a process of its own (`replicas.engine_core`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import asyncio
 import pytest
 
 from replicas.async_engine import MAX_CHUNK_INTERVAL_S, AsyncEngine
+from replicas.config import EngineConfig
+from replicas.engine_core import build_core
 from replicas.protocol import GenerateRequest
-from tests.replicas.conftest import greedy, make_engine
+from tests.replicas.conftest import greedy
 
 PROMPTS = [[5, 17, 200, 33], [61, 150, 7], [100, 2, 77, 13, 250], [8, 8, 8, 9]]
 MAX_TOKENS = 24
@@ -29,12 +32,29 @@ async def stream_all(engine: AsyncEngine) -> dict[str, list[tuple[float, list[in
     return {f"r{i}": chunks for i, chunks in enumerate(results)}
 
 
-@pytest.fixture
-def engine(models):
-    front = AsyncEngine(make_engine(models["llama"]))
+def engine_config(model_dir, **overrides) -> EngineConfig:
+    args = {"model": str(model_dir), "num_kv_blocks": 128, "block_size": 4, "max_lora_rank": 16}
+    return EngineConfig(**{**args, **overrides})
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def running(request, models):
+    """One front per core for the module (an engine process takes seconds to start)."""
+    core, _ = build_core(engine_config(models["llama"], engine_process=request.param == "process"))
+    front = AsyncEngine(core)
     front.start()
     yield front
     front.shutdown()
+
+
+@pytest.fixture
+async def engine(running):
+    """The module's front, with the pacing every test starts from."""
+    running.stream_interval_s, running.max_chunks_per_s = 0.05, 0.0
+    yield running
+    assert running.alive
+    for key in running.channel_keys():  # an idle channel ends without closing (its caller does)
+        running.drop_channel(key)
 
 
 async def test_chunks_are_coalesced_with_the_same_tokens(engine):
@@ -97,7 +117,7 @@ async def _through_channel(engine: AsyncEngine, close_after_batches: int | None 
 
 
 def test_the_chunk_interval_grows_with_the_flowing_streams_past_a_chunk_cap():
-    front = AsyncEngine(None, stream_interval_s=0.05)  # no thread: only the pacing rule
+    front = AsyncEngine(None, stream_interval_s=0.05)  # type: ignore[arg-type]  # no core: pacing
     front.flowing = 400
     assert front.chunk_interval() == 0.05  # no cap
     front.max_chunks_per_s = 2000.0
