@@ -310,12 +310,16 @@ class AsyncEngine:
 
     def _on_stopped(self, why: str) -> None:
         """On the core's thread, once its loop has ended: nothing more will come, so every live
-        stream ends with an UNAVAILABLE error chunk and every pending call raises."""
+        stream ends with an UNAVAILABLE error chunk, every pending call raises and every
+        channel closes."""
         with self._lock:
             self._stopped = why
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
+            channels = list(self._channels.values())
         self.flowing = 0
+        for channel in channels:  # their readers end now, not after their idle wait
+            self.close_channel(channel)
         error = EngineError(why, ErrorKind.UNAVAILABLE)
         for request_id, stream in streams.items():
             stream.loop.call_soon_threadsafe(

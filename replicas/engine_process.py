@@ -17,6 +17,7 @@ Stop). When the child dies, the reader sees EOF on the report pipe and the core 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -36,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 30.0  # how long `shutdown` waits for the child before killing it
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# A post blocks its caller (an event loop) while the inbox pipe is full: the child takes only
+# requests and hints mid-step, so the rest waits out a step there. 1 MiB (Linux's default most
+# for a pipe; 64 KiB otherwise) holds a step's worth of posts with room to spare.
+INBOX_PIPE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class ProcessCore:
     ) -> None:
         context = multiprocessing.get_context("spawn")
         inbox_out, self._inbox = context.Pipe(duplex=False)
+        _widen(self._inbox)
         self._reports, reports_in = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_child_main,
@@ -208,6 +214,14 @@ def _child_main(
         loop.run()
     finally:
         engine.shutdown()
+
+
+def _widen(conn: Connection) -> None:
+    if hasattr(fcntl, "F_SETPIPE_SZ"):
+        try:
+            fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, INBOX_PIPE_BYTES)
+        except OSError:  # above the system's pipe-max-size: keep the default
+            pass
 
 
 def _die_with_parent(parent_pid: int) -> None:
