@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+import torch
+
 from replicas.config import EngineConfig
 from replicas.engine import Engine
 from replicas.engine_loop import EngineLoop, EngineStopped, InboxItem, StepReport, Stop
@@ -71,7 +73,12 @@ class ProcessCore:
         self._reports, reports_in = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_child_main,
-            args=(config, engine_cls, setup, inbox_out, reports_in, os.getpid()),
+            # torch's intra-op threads as this process has them (what the replica was given,
+            # e.g. Ray's OMP_NUM_THREADS), as the engine on a thread here would run with.
+            args=(
+                config, engine_cls, setup, inbox_out, reports_in, os.getpid(),
+                torch.get_num_threads(),
+            ),  # fmt: skip
             name="lorafleet-engine",
             daemon=True,  # killed at this interpreter's exit, should the pipes not end it
         )
@@ -196,8 +203,10 @@ def _child_main(
     inbox: Connection,
     reports: Connection,
     parent_pid: int,
+    torch_threads: int,
 ) -> None:
     _die_with_parent(parent_pid)
+    torch.set_num_threads(torch_threads)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d] %(message)s"
     )

@@ -27,7 +27,7 @@ from replicas.errors import ErrorKind
 from replicas.protocol import GenerateRequest
 from tests.engines import FailingEngine, GatedEngine
 from tests.replicas.conftest import greedy
-from tests.replicas.test_async_engine import PROMPTS, engine_config
+from tests.replicas.test_async_engine import PROMPTS, engine_config, together
 
 MAX_TOKENS = 16
 DEATH_S = 30.0  # the most a dead child or parent may take to be noticed
@@ -45,13 +45,13 @@ async def tokens_of(engine: AsyncEngine) -> dict[str, list[int]]:
         request = GenerateRequest(f"r{i}", PROMPTS[i], greedy(MAX_TOKENS))
         return [t async for chunk in engine.generate(request) for t in chunk.token_ids]
 
-    results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+    results = await together(engine, [one(i) for i in range(len(PROMPTS))])
     return {f"r{i}": tokens for i, tokens in enumerate(results)}
 
 
 @pytest.fixture(scope="module")
 def process_engine(models):
-    engine = front(engine_config(models["llama"], engine_process=True))
+    engine = front(engine_config(models["llama"], engine_process=True), GatedEngine)
     yield engine
     engine.shutdown()
 
@@ -70,7 +70,7 @@ def _raise_plain(engine: Engine, message: str) -> None:
 
 class TestTheSameEngine:
     async def test_greedy_tokens_match_the_engine_on_a_thread(self, models, process_engine):
-        on_thread = front(engine_config(models["llama"]))
+        on_thread = front(engine_config(models["llama"]), GatedEngine)
         try:
             expected = await tokens_of(on_thread)
         finally:
