@@ -220,6 +220,16 @@ class AppArgs(BaseModel):
             "the device, not the host, sets their pace. 0: prefill steps always run eagerly."
         ),
     )
+    engine_process: bool = Field(
+        default=False,
+        description=(
+            "Run each engine replica's engine loop in a child process of its own, exchanging "
+            "one message a step with the replica (as vLLM's engine core does), instead of on a "
+            "thread of the replica's process: there it shares the GIL with the replica's event "
+            "loop and Ray's threads, which slows every step's host work. Costs a second or so "
+            "of start-up; not yet measured on a GPU, so off by default."
+        ),
+    )
     stream_interval_ms: float = Field(
         default=50.0,
         ge=0.0,
@@ -416,6 +426,7 @@ class AppArgs(BaseModel):
             max_model_len=self.max_model_len,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             enforce_eager=self.enforce_eager,
+            engine_process=self.engine_process,
             max_prefill_graph_tokens=self.max_prefill_graph_tokens,
             max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_lora_rank,

@@ -3,8 +3,10 @@ replica, each engine replica (and, from the engine's own count, the part of it s
 engine steps), read before and after a run and divided by the tokens it delivered.
 
 Processes are found in Ray's actor table (actor class names `ProxyActor`,
-`ServeReplica:<app>:<deployment>`); their CPU time is user + system from `/proc/<pid>/stat`
-(every thread of the process), so this reads processes of this machine only (Linux)."""
+`ServeReplica:<app>:<deployment>`), with an engine replica's engine process
+(`AppArgs.engine_process`: a child it spawned) counted as engine; their CPU time is user +
+system from `/proc/<pid>/stat` (every thread of the process), so this reads processes of this
+machine only (Linux)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,26 @@ def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingP
         role = roles.get(actor.get("ActorClassName"))
         if role is not None and actor.get("State") == "ALIVE" and actor.get("Pid"):
             found.append(ServingProcess(role, int(actor["Pid"]), actor_id))
+    engines = {p.pid: p.actor_id for p in found if p.role == "engine"}
+    found += [ServingProcess("engine", pid, engines[parent]) for pid, parent in _spawned(engines)]
     return sorted(found, key=lambda p: (p.role, p.pid))
+
+
+def _spawned(parents: Mapping[int, object]) -> list[tuple[int, int]]:
+    """(pid, parent pid) of the processes that `parents` started with multiprocessing's spawn
+    (an engine replica's engine process)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if parent in parents and b"spawn_main" in (entry / "cmdline").read_bytes():
+                out.append((int(entry.name), parent))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def _stat_cpu(stat: str) -> float:

@@ -1,11 +1,13 @@
-"""Drives an `Engine` on its own thread and streams results to asyncio callers. No Ray.
+"""The asyncio front of an engine: streams results to asyncio callers. No Ray.
 
-The engine is single-threaded: only the engine thread touches it. Callers hand it work through a
-thread-safe inbox (add, abort); results come back through one asyncio queue per request, filled
-with `call_soon_threadsafe` on the caller's event loop. New requests and prefetch hints are
-taken in while a step runs too (`Engine.step`'s `on_idle`), so their adapters start loading at
-once; everything else in the inbox (aborts, calls), and whatever was posted after it, waits for
-the step to end.
+The engine runs its own loop (`replicas.engine_loop.EngineLoop`) on an `EngineCore`
+(`replicas.engine_core`): a thread of this process, or a process of its own. Callers hand it
+work through the core's inbox (add, abort, hint, call); each step's results come back as one
+`StepReport`, handed over on a thread of the core's (the engine thread, or the reader thread of
+the engine process) and delivered here to one asyncio queue per request, with
+`call_soon_threadsafe` on the caller's event loop. When the core stops (shutdown, or its process
+died), every live stream ends with an UNAVAILABLE error chunk and every pending call raises
+`EngineStopped`.
 
 A caller may open a channel (`open_channel(key)`): while it is open, the tokens of that caller's
 requests after their first go into the channel, merged per request, and leave it as one batch
@@ -21,19 +23,22 @@ the same in Serve's proxy whatever it carries, and a node has one proxy for all 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from replicas.engine import Engine, RequestRejected
+from replicas.engine_core import EngineCore
+from replicas.engine_loop import Abort, Add, Call, EngineStopped, Hints, StepReport
 from replicas.errors import ErrorKind
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
-from replicas.request import Request, RequestOutput
+from replicas.request import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # After its first token, a stream's tokens go out at most once per interval (its last at once).
 # Every chunk costs a Ray streaming item here, in the ingress and in Serve's proxy: on a 2-core
@@ -43,45 +48,17 @@ STREAM_INTERVAL_S = 0.05
 MAX_CHUNK_INTERVAL_S = 0.5  # the longest `chunk_interval` stretches to, whatever the cap
 
 
-# The inbox's items: posted from any thread, taken by the engine thread (`_drain_inbox`).
-@dataclass(frozen=True)
-class _Add:
-    request: GenerateRequest
-
-
-@dataclass(frozen=True)
-class _Hints:
-    hints: list[tuple[str, float]]
-
-
-@dataclass(frozen=True)
-class _Call:
-    fn: Callable[..., object]
-    args: tuple[object, ...]
-    loop: asyncio.AbstractEventLoop  # the caller's, where `future` settles
-    future: asyncio.Future[object]
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-    message: str | None  # for the error chunk that ends the stream; None: its caller closed it
-
-
-_InboxItem = _Add | _Hints | _Call | _Abort
-
-
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     channel_key: str | None = None  # whose channel its later tokens may take
-    emitted: int = 0  # tokens handed out so far; engine thread
+    emitted: int = 0  # tokens handed out so far; the core's report thread
 
 
 class Channel:
     """One caller's batched tokens (see the module docstring). `pending` is guarded by the
-    engine's lock: the engine thread adds to it, `batches` takes it whole."""
+    front's lock: the core's report thread adds to it, `batches` takes it whole."""
 
     def __init__(
         self,
@@ -129,37 +106,43 @@ class Channel:
 
 
 class AsyncEngine:
+    """`core` runs the engine; this front owns the streams and channels. Every method but
+    `start` and `shutdown` is called from an event loop (several loops may share one front);
+    reports come in on the core's thread."""
+
     def __init__(
         self,
-        engine: Engine,
+        core: EngineCore,
         stream_interval_s: float = STREAM_INTERVAL_S,
         max_chunks_per_s: float = 0.0,
     ) -> None:
-        self.engine = engine
+        self.core = core
         self.stream_interval_s = stream_interval_s
         self.max_chunks_per_s = max_chunks_per_s  # 0: no cap
-        # Streams that got tokens in the last step: written by the engine thread, read by the
+        # Streams that got tokens in the last step: written by the report thread, read by the
         # callers' loops (a plain int; a step-old figure is close enough to pace chunks by).
         self.flowing = 0
-        self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._channels: dict[str, Channel] = {}  # caller key -> its open channel
-        self._lock = threading.Lock()  # guards _streams, _channels and every channel's pending
-        self._stopped = False
-        self._held: _InboxItem | None = None  # taken from the inbox mid-step, not run
-        self.num_aborted = 0  # live requests aborted (caller closed, or abandoned); engine thread
-        self.step_cpu_s = 0.0  # the engine thread's CPU time inside steps; engine thread
-        self._thread = threading.Thread(target=self._run, name="lorafleet-engine", daemon=True)
-        self.last_error: BaseException | None = None
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        # guards _streams, _channels, _calls, _stopped and every channel's pending
+        self._lock = threading.Lock()
+        self._stopped: str | None = None  # why the core stopped, once it has
+        self.num_aborted = 0  # live requests aborted (caller closed, or abandoned); the core's
+        self.step_cpu_s = 0.0  # the engine loop's CPU time inside steps; the core's
 
     def start(self) -> None:
-        self._thread.start()
+        self.core.start(self._on_report, self._on_stopped)
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        """Stop the core; streams still live end with an error chunk, pending calls raise."""
+        self.core.shutdown()
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The engine's last step failure, or why its loop ended."""
+        return self.core.last_error
 
     def chunk_interval(self) -> float:
         """How long a stream's chunks after its first wait for each other: `stream_interval_s`,
@@ -173,7 +156,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        return self._stopped is None and self.core.alive
 
     async def generate(
         self, request: GenerateRequest, channel_key: str | None = None
@@ -188,11 +171,18 @@ class AsyncEngine:
             return
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), channel_key)
         with self._lock:
-            if request.request_id in self._streams:
-                yield _error_chunk(request.request_id, EngineError("duplicate request id"))
-                return
-            self._streams[request.request_id] = stream
-        self._post(_Add(request))
+            stopped = self._stopped
+            duplicate = request.request_id in self._streams
+            if stopped is None and not duplicate:
+                self._streams[request.request_id] = stream
+        if stopped is not None:  # it stopped since `alive` was read
+            error = EngineError(stopped, ErrorKind.UNAVAILABLE)
+            yield _error_chunk(request.request_id, error)
+            return
+        if duplicate:
+            yield _error_chunk(request.request_id, EngineError("duplicate request id"))
+            return
+        self.core.post(Add(request))
         finished = False
         loop = stream.loop
         sent_at = None  # when the last chunk went out; None before the first token
@@ -206,8 +196,8 @@ class AsyncEngine:
                 if sent_at is not None and not chunk.finished:
                     # A stream's tokens are held until its interval has passed since the last
                     # chunk and go out as one: every chunk costs a streaming item here, in the
-                    # caller and in the proxy, and this loop shares the GIL with the engine
-                    # thread.
+                    # caller and in the proxy, and this loop shares the GIL with the report
+                    # thread (with the engine thread too, in-process).
                     wait = sent_at + self.chunk_interval() - loop.time()
                     if wait > 0:
                         await asyncio.sleep(wait)
@@ -227,7 +217,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request.request_id, None)
             if not finished:
-                self._post(_Abort(request.request_id, None))
+                self.core.post(Abort(request.request_id, None))
 
     def open_channel(self, key: str) -> Channel:
         """Open `key`'s channel (closing one it had open): its requests' tokens after their
@@ -241,7 +231,7 @@ class AsyncEngine:
         return channel
 
     def close_channel(self, channel: Channel) -> None:
-        """What the channel holds goes back to its requests' streams, after whatever the engine
+        """What the channel holds goes back to its requests' streams, after whatever the report
         thread already queued for them (so in order), and their later tokens go there too.
         Idempotent."""
         with self._lock:
@@ -265,109 +255,78 @@ class AsyncEngine:
         with self._lock:
             return list(self._channels)
 
-    async def call(self, fn, *args):
-        """Run `fn(engine, *args)` on the engine thread between steps; returns its result or
-        raises its exception."""
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(engine, *args)` where the engine runs, between steps; returns its result or
+        raises its exception (`EngineStopped` when the engine stops first). With the engine in
+        a process of its own, `fn`, `args` and the result cross a pipe: they must pickle."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._post(_Call(fn, args, loop, future))
-        return await future
+        future: asyncio.Future[T] = loop.create_future()
+        with self._lock:
+            stopped = self._stopped
+            call_id = next(self._call_ids)
+            if stopped is None:
+                self._calls[call_id] = (loop, future)
+        if stopped is not None:
+            raise EngineStopped(stopped)
+        try:
+            self.core.post(Call(call_id, fn, args))
+        except BaseException:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise
+        try:
+            return await future
+        finally:
+            with self._lock:  # answered, or its caller gave up waiting
+                self._calls.pop(call_id, None)
 
     def abort(self, request_id: str, message: str) -> None:
         """Abort a request whose caller is gone without closing its stream (a dead ingress):
         between steps, the engine frees its KV blocks and slot hold, and its stream ends with an
         error chunk carrying `message` (503), so the generator serving it returns. Nothing to
         wait for; an unknown or finished request is ignored."""
-        self._post(_Abort(request_id, message))
+        self.core.post(Abort(request_id, message))
 
     def hint(self, hints: list[tuple[str, float]]) -> None:
         """Adapters expected soon, (name, seconds until needed) each: the prefetcher starts on
         them between steps or while one runs. Nothing to wait for; unknown names are ignored."""
-        self._post(_Hints(list(hints)))
+        self.core.post(Hints(list(hints)))
 
-    def _post(self, item: _InboxItem) -> None:
-        self._inbox.put(item)
-        self._wake.set()
+    def _on_report(self, report: StepReport) -> None:
+        """On the core's thread: a report's answers, errors and outputs, in that order (as the
+        loop produced them: the inbox between steps, then the step)."""
+        self.num_aborted = report.num_aborted
+        self.step_cpu_s = report.step_cpu_s
+        for call_id, result, error in report.settled:
+            with self._lock:
+                waiting = self._calls.pop(call_id, None)
+            if waiting is not None:
+                loop, future = waiting
+                loop.call_soon_threadsafe(_settle, future, result, error)
+        for request_id, engine_error in report.errors:
+            self._send(request_id, _error_chunk(request_id, engine_error))
+        if report.stepped:
+            self._deliver_all(report.outputs)
 
-    def _run(self) -> None:
-        while not self._stopped:
-            self._drain_inbox()
-            if not self.engine.has_work:
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            cpu = time.thread_time()
-            try:
-                outputs = self.engine.step(on_idle=self._take_intake)
-            except Exception as e:  # a bug or device error must not leave callers hanging
-                logger.exception("engine step failed; failing the requests in flight")
-                self.last_error = e
-                outputs = self.engine.abort_all(f"internal engine error: {e}")
-            self.step_cpu_s += time.thread_time() - cpu
-            self._deliver_all(outputs)
-            if self.engine.stalled:  # only adapter reads are in flight: don't spin
-                self._wake.wait(timeout=0.001)
-                self._wake.clear()
-
-    def _take_intake(self) -> None:
-        """Mid-step: take the requests and hints at the head of the inbox, in order, up to the
-        first other item (held for `_drain_inbox`, with everything behind it)."""
-        self._drain_inbox(mid_step=True)
-
-    def _hint(self, hints: list[tuple[str, float]]) -> None:
-        for adapter, eta_s in hints:
-            self.engine.prefetch_hint(adapter, eta_s)
-
-    def _drain_inbox(self, mid_step: bool = False) -> None:
-        while True:
-            if self._held is not None:
-                if mid_step:
-                    return
-                item, self._held = self._held, None
-            else:
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    return
-            if isinstance(item, _Add):
-                self._add(item.request)
-            elif isinstance(item, _Hints):
-                self._hint(item.hints)
-            elif mid_step:
-                self._held = item
-                return
-            elif isinstance(item, _Call):
-                try:
-                    result = item.fn(self.engine, *item.args)
-                except Exception as e:
-                    item.loop.call_soon_threadsafe(_settle, item.future, None, e)
-                else:
-                    item.loop.call_soon_threadsafe(_settle, item.future, result, None)
-            else:
-                request_id, message = item.request_id, item.message
-                if self.engine.abort(request_id) is not None:
-                    self.num_aborted += 1
-                    logger.debug("aborted request %s", request_id)
-                    if message is not None:
-                        self._send(
-                            request_id,
-                            _error_chunk(request_id, EngineError(message, ErrorKind.UNAVAILABLE)),
-                        )
-
-    def _add(self, request: GenerateRequest) -> None:
-        try:
-            self.engine.add_request(
-                Request(
-                    request.request_id,
-                    list(request.prompt_token_ids),
-                    request.sampling,
-                    request.adapter,
-                )
+    def _on_stopped(self, why: str) -> None:
+        """On the core's thread, once its loop has ended: nothing more will come, so every live
+        stream ends with an UNAVAILABLE error chunk, every pending call raises and every
+        channel closes."""
+        with self._lock:
+            self._stopped = why
+            streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
+            channels = list(self._channels.values())
+        self.flowing = 0
+        for channel in channels:  # their readers end now, not after their idle wait
+            self.close_channel(channel)
+        error = EngineError(why, ErrorKind.UNAVAILABLE)
+        for request_id, stream in streams.items():
+            stream.loop.call_soon_threadsafe(
+                stream.queue.put_nowait, _error_chunk(request_id, error)
             )
-        except RequestRejected as e:
-            self._send(request.request_id, _error_chunk(request.request_id, EngineError.of(e)))
-        except ValueError as e:
-            self._send(request.request_id, _error_chunk(request.request_id, EngineError(str(e))))
+        for loop, future in calls.values():
+            loop.call_soon_threadsafe(_settle, future, None, EngineStopped(why))
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, handed to each caller loop in one callback: one wake-up of the loop
@@ -403,7 +362,7 @@ class AsyncEngine:
             channel.wake()
 
     def _route_to_streams(
-        self, chunks
+        self, chunks: Iterable[GenerateChunk]
     ) -> dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]]:
         """Each chunk with its stream's queue, by the stream's loop; holds `_lock`."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}

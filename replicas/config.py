@@ -56,6 +56,9 @@ class EngineConfig:
     # Chunks a second this replica's streams may send in all after their first (0: no cap): the
     # interval grows past stream_interval_s to fit (`AsyncEngine.chunk_interval`).
     max_stream_chunks_per_s: float = 0.0
+    # Run the engine's loop in a child process of its own (replicas/engine_process.py) rather
+    # than on a thread sharing the replica's GIL with its event loop and Ray's threads.
+    engine_process: bool = False
     warm_up: bool = True  # CUDA: run every step shape once at start-up (kernels compile then)
     seed: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())  # extra EOS ids beyond the model's own

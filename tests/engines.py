@@ -34,3 +34,10 @@ class GatedEngine(Engine):
             if not sched.waiting and all(r.output_token_ids for r in sched.running):
                 return False
         return super().has_work
+
+
+class FailingEngine(Engine):
+    """An engine whose every step raises: the loop must fail the requests in flight and go on."""
+
+    def step(self, on_idle=None):
+        raise RuntimeError("the device fell over")

@@ -7,17 +7,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, NamedTuple
 
 from ray import serve
 
-from replicas.adapter_ledger import (
-    AdapterEntry,
-    LedgerFollower,
-    LedgerStore,
-    LoadMismatch,
-    Superseded,
-)
+from replicas import engine_calls
+from replicas.adapter_ledger import AdapterEntry, LedgerStore, LoadMismatch, Superseded
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.deployment import ray_runtime
@@ -26,7 +22,8 @@ from replicas.deployment.liveness import GcsLiveness
 from replicas.deployment.metrics import EngineMetrics
 from replicas.deployment.stats import ReplicaStats, routing_stats_dict, served_adapters_dict
 from replicas.engine import Engine, RequestRejected
-from replicas.engine_stats import EngineStats, RoutingStats
+from replicas.engine_core import build_core
+from replicas.engine_stats import RoutingStats
 from replicas.leases import CallerLeases
 from replicas.protocol import GenerateChunk, GenerateRequest
 
@@ -50,8 +47,11 @@ CALLERS_KEPT = 64  # callers whose last request's end `stats()` reports
 class EngineDeployment:
     """One engine replica. `prepare` runs first on the replica's node (it makes sure the model
     files exist there, e.g. building the embedded demo); `engine_cls` and `metrics` are
-    injectable for tests. When built inside an event loop (as Serve does), a background task
-    turns the engine's stats into metrics every `stats_period_s`."""
+    injectable for tests. The engine runs on a thread of the replica, or in a process of its own
+    (`config.engine_process`); either way it is reached only through `self.engine.call` with
+    the module-level functions of `replicas.engine_calls` (or the engine's own methods). When
+    built inside an event loop (as Serve does), a background task turns the engine's stats into
+    metrics every `stats_period_s`."""
 
     def __init__(
         self,
@@ -83,15 +83,15 @@ class EngineDeployment:
         # caller -> wall clock when its last live request here ended (the newest CALLERS_KEPT)
         self.caller_done_at: dict[str, float] = {}
         # Adapters loaded and unloaded at run time, kept by the fleet (replicas/adapter_ledger.py):
-        # caught up with before the engine starts, then every LEDGER_SYNC_S.
+        # caught up with before the engine's first step, then every LEDGER_SYNC_S. Its follower
+        # lives beside the engine (`engine_calls.follower`).
         self.ledger = ledger if ledger is not None else fleet_ledger(self._serve)
-        self.follower = LedgerFollower()
-        engine = engine_cls(config)
-        if self.ledger is not None:
-            self._follow(engine, self.ledger.read_all())
-        self.engine = AsyncEngine(
-            engine, config.stream_interval_s, config.max_stream_chunks_per_s
-        )
+        entries = self.ledger.read_all() if self.ledger is not None else {}
+        setup = partial(engine_calls.follow_ledger, entries=entries) if entries else None
+        core, followed = build_core(config, engine_cls, setup)
+        if followed is not None:
+            self._log_followed(*followed, entries)
+        self.engine = AsyncEngine(core, config.stream_interval_s, config.max_stream_chunks_per_s)
         self.engine.start()
         self._stats_task: asyncio.Task | None = None
         self._lease_task: asyncio.Task | None = None
@@ -194,12 +194,7 @@ class EngineDeployment:
             self._caller_done(caller)
 
     async def info(self) -> dict:
-        engine = self.engine.engine
-        return {
-            "max_model_len": engine.max_model_len,
-            "eos_token_ids": sorted(engine.eos_token_ids),
-            "vocab_size": engine.spec.vocab_size,
-        }
+        return await self.engine.call(engine_calls.engine_info)
 
     async def stats(self) -> dict[str, Any]:
         """This replica's `ReplicaStats` as the dict other processes read: the engine's
@@ -212,7 +207,7 @@ class EngineDeployment:
         return {"replica_id": self.replica_id, **await self.stats()}
 
     async def _snapshot(self) -> ReplicaStats:
-        engine_stats, num_held_slots = await self.engine.call(_read_engine)
+        engine_stats, num_held_slots = await self.engine.call(engine_calls.read_engine)
         return ReplicaStats(
             engine=engine_stats,
             num_held_slots=num_held_slots,
@@ -226,7 +221,7 @@ class EngineDeployment:
 
     async def report_stats(self) -> None:
         """Read the engine's stats once into the metrics."""
-        self.metrics.update(await self.engine.call(lambda engine: engine.stats()))
+        self.metrics.update(await self.engine.call(Engine.stats))
 
     # -- adapters ------------------------------------------------------------------------------
 
@@ -242,7 +237,7 @@ class EngineDeployment:
         marks this load, so that undoing it (`unload_adapter(name, load_id)`) never removes an
         adapter of the same name that another load registered. `version` is the ledger
         version of this change (an older ledger entry never undoes it)."""
-        await self.engine.call(self.follower.load, name, path, pinned, load_id, version)
+        await self.engine.call(engine_calls.load_adapter, name, path, pinned, load_id, version)
 
     async def unload_adapter(
         self, name: str, load_id: str | None = None, version: int | None = None
@@ -252,7 +247,7 @@ class EngineDeployment:
         NOT_FOUND otherwise, or when `name` is not loaded. An unload of a `version` this replica
         already applied from the ledger succeeds."""
         try:
-            await self.engine.call(self.follower.unload, name, load_id, version)
+            await self.engine.call(engine_calls.unload_adapter, name, load_id, version)
         except (LoadMismatch, Superseded) as e:
             raise RequestRejected.of(e) from e
 
@@ -262,21 +257,19 @@ class EngineDeployment:
         if self.ledger is None:
             return []
         entries = await asyncio.to_thread(self.ledger.read_all)
-        return await self.engine.call(self._follow, entries)
-
-    def _follow(self, engine: Engine, entries: dict[str, AdapterEntry]) -> list[str]:
-        """On the engine thread (or before it starts)."""
-        failures = dict(self.follower.failures)
-        changed = self.follower.follow(engine, entries)
-        for name in changed:
-            entry = entries[name]
-            logger.info("adapter %s %s from the ledger", name, entry.path or "unloaded")
-        for name, reason in self.follower.failures.items():
-            if failures.get(name) != reason:
-                logger.warning(
-                    "could not apply the ledger's entry for adapter %s: %s", name, reason
-                )
+        changed, failures = await self.engine.call(engine_calls.follow_ledger, entries)
+        self._log_followed(changed, failures, entries)
         return changed
+
+    def _log_followed(
+        self, changed: list[str], failures: dict[str, str], entries: dict[str, AdapterEntry]
+    ) -> None:
+        """What a catch-up with the ledger did (`engine_calls.follow_ledger`), in this replica's
+        log."""
+        for name in changed:
+            logger.info("adapter %s %s from the ledger", name, entries[name].path or "unloaded")
+        for name, reason in failures.items():
+            logger.warning("could not apply the ledger's entry for adapter %s: %s", name, reason)
 
     async def adapters(self) -> dict[str, dict]:
         return await self.engine.call(Engine.adapter_status)
@@ -299,7 +292,7 @@ class EngineDeployment:
         """What new requests may name here: `{"adapters": {name: path}, "unloaded": [name]}`,
         the adapters registered by name (configured or loaded at run time) and the names
         unloaded (adapter_root folders included)."""
-        return served_adapters_dict(await self.engine.call(lambda engine: engine.served_adapters()))
+        return served_adapters_dict(await self.engine.call(Engine.served_adapters))
 
     async def prefetch_hint(self, adapter: str, eta_s: float = 0.0) -> None:
         self.engine.hint([(adapter, eta_s)])
@@ -318,7 +311,7 @@ class EngineDeployment:
     async def _read_routing_stats(self) -> RoutingStats | None:
         try:
             stats = await asyncio.wait_for(
-                self.engine.call(lambda engine: engine.routing_stats()), ROUTING_STATS_TIMEOUT_S
+                self.engine.call(Engine.routing_stats), ROUTING_STATS_TIMEOUT_S
             )
         except TimeoutError:
             return self._routing_stats
@@ -376,11 +369,6 @@ class _Residency(NamedTuple):
     gpu: list[str]
     loading: list[str]
     host: list[str]
-
-
-def _read_engine(engine: Engine) -> tuple[EngineStats, int]:
-    """On the engine thread: its stats, and the GPU slots requests hold."""
-    return engine.stats(), engine.adapters.slots.num_held
 
 
 async def _every(period_s: float, work: Callable[[], Awaitable[object]], what: str) -> None:

@@ -19,7 +19,7 @@ class ReplicaStats:
     engine: EngineStats
     num_held_slots: int  # GPU slots held by requests
     num_aborted: int  # live requests aborted: the caller closed the stream, or went away
-    step_cpu_s: float  # the engine thread's CPU time inside steps
+    step_cpu_s: float  # the engine loop's thread CPU time inside steps (wherever it runs)
     callers: dict[str, int]  # caller -> its live requests here
     caller_done_at: dict[str, float]  # caller -> when its last request here ended (wall clock)
     num_abandoned: int  # requests aborted because their caller's lease lapsed

@@ -598,7 +598,9 @@ def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
     """The server's engine thread takes requests and prefetch hints while a step runs, but stops
     at the first other inbox item: that item and everything after it wait for the step's end,
     in order (a request for an adapter loaded by a call just before it must come after it)."""
-    from replicas.async_engine import AsyncEngine, _Abort, _Add, _Call
+    from collections import deque
+
+    from replicas.engine_loop import Abort, Add, Call, EngineLoop, Hints
     from replicas.protocol import GenerateRequest
 
     log = []
@@ -613,19 +615,29 @@ def test_mid_step_intake_takes_adds_and_hints_in_order_up_to_anything_else():
         def prefetch_hint(self, adapter, eta_s):
             log.append(("hint", adapter))
 
-    engine = AsyncEngine(Recorder())  # its thread is not started: the test drives the inbox
-    post = engine._post
-    post(_Add(GenerateRequest("r1", [1], greedy(1))))
-    engine.hint([("x", 0.0), ("y", 0.1)])
-    post(_Call(lambda e: log.append(("call", "load")), (), None, None))
-    post(_Add(GenerateRequest("r2", [1], greedy(1), "loaded-by-the-call")))
-    post(_Abort("r1", None))
-    engine._take_intake()
-    engine._take_intake()  # a held item stops every later mid-step intake too
+    class ListInbox:
+        def __init__(self, items) -> None:
+            self.items = deque(items)
+
+        def get_nowait(self):
+            return self.items.popleft() if self.items else None
+
+        def wait(self, timeout_s: float) -> None:
+            raise AssertionError("the test drives the inbox; nothing waits")
+
+    inbox = ListInbox(
+        [
+            Add(GenerateRequest("r1", [1], greedy(1))),
+            Hints([("x", 0.0), ("y", 0.1)]),
+            Call(0, lambda e: log.append(("call", "load")), ()),
+            Add(GenerateRequest("r2", [1], greedy(1), "loaded-by-the-call")),
+            Abort("r1", None),
+        ]
+    )
+    reports = []
+    loop = EngineLoop(Recorder(), inbox, reports.append)  # not run: the test drives the inbox
+    loop.take_intake()
+    loop.take_intake()  # a held item stops every later mid-step intake too
     assert log == [("add", "r1"), ("hint", "x"), ("hint", "y")]
-    try:
-        engine._drain_inbox()
-    except AttributeError:  # the call's result goes to an event loop this test has none of
-        pass
-    engine._drain_inbox()
+    loop.drain_inbox()
     assert log[3:] == [("call", "load"), ("add", "r2"), ("abort", "r1")]

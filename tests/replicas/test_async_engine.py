@@ -1,6 +1,7 @@
 """The asyncio front of the engine (replicas/async_engine.py): each step's outputs reach the
 streams in one callback, and a stream's tokens are sent in fewer, larger chunks,
-with the same tokens in the same order."""
+with the same tokens in the same order; the same whether the engine runs on a thread of this
+process or in a process of its own (`replicas.engine_core`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,29 @@ import asyncio
 import pytest
 
 from replicas.async_engine import MAX_CHUNK_INTERVAL_S, AsyncEngine
+from replicas.config import EngineConfig
+from replicas.engine_core import build_core
 from replicas.protocol import GenerateRequest
-from tests.replicas.conftest import greedy, make_engine
+from tests.engines import GatedEngine
+from tests.replicas.conftest import greedy
 
 PROMPTS = [[5, 17, 200, 33], [61, 150, 7], [100, 2, 77, 13, 250], [8, 8, 8, 9]]
 MAX_TOKENS = 24
 HOLD_S = 0.2  # the coalescing interval while held
+
+
+async def together(engine: AsyncEngine, streams) -> list:
+    """Run the coroutines `streams` (one request each) to the end, their requests stepped in one
+    batch from the first step: the same batches every run, so the same float rounding and the
+    same greedy tokens, however the engine's loop (a process of its own runs in parallel with
+    this one) and this loop's posts interleave."""
+    await engine.call(GatedEngine.set_hold, "queued")
+    tasks = [asyncio.ensure_future(stream) for stream in streams]
+    await asyncio.sleep(0)  # each task runs up to its first wait: its request is posted
+    # Calls run in the order posted, after the requests posted before them.
+    assert await engine.call(GatedEngine.held_requests, "queued") == len(tasks)
+    await engine.call(GatedEngine.set_hold, "open")
+    return await asyncio.gather(*tasks)
 
 
 async def stream_all(engine: AsyncEngine) -> dict[str, list[tuple[float, list[int]]]]:
@@ -25,16 +43,34 @@ async def stream_all(engine: AsyncEngine) -> dict[str, list[tuple[float, list[in
         request = GenerateRequest(f"r{i}", PROMPTS[i], greedy(MAX_TOKENS))
         return [(loop.time(), chunk.token_ids) async for chunk in engine.generate(request)]
 
-    results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+    results = await together(engine, [one(i) for i in range(len(PROMPTS))])
     return {f"r{i}": chunks for i, chunks in enumerate(results)}
 
 
-@pytest.fixture
-def engine(models):
-    front = AsyncEngine(make_engine(models["llama"]))
+def engine_config(model_dir, **overrides) -> EngineConfig:
+    args = {"model": str(model_dir), "num_kv_blocks": 128, "block_size": 4, "max_lora_rank": 16}
+    return EngineConfig(**{**args, **overrides})
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def running(request, models):
+    """One front per core for the module (an engine process takes seconds to start)."""
+    config = engine_config(models["llama"], engine_process=request.param == "process")
+    core, _ = build_core(config, GatedEngine)
+    front = AsyncEngine(core)
     front.start()
     yield front
     front.shutdown()
+
+
+@pytest.fixture
+async def engine(running):
+    """The module's front, with the pacing every test starts from."""
+    running.stream_interval_s, running.max_chunks_per_s = 0.05, 0.0
+    yield running
+    assert running.alive
+    for key in running.channel_keys():  # an idle channel ends without closing (its caller does)
+        running.drop_channel(key)
 
 
 async def test_chunks_are_coalesced_with_the_same_tokens(engine):
@@ -90,14 +126,14 @@ async def _through_channel(engine: AsyncEngine, close_after_batches: int | None 
         return [chunk async for chunk in engine.generate(request, "c")]
 
     reader = asyncio.create_task(read())
-    results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+    results = await together(engine, [one(i) for i in range(len(PROMPTS))])
     engine.close_channel(channel)
     await asyncio.wait_for(reader, 5.0)
     return {f"r{i}": chunks for i, chunks in enumerate(results)}, from_channel, batches
 
 
 def test_the_chunk_interval_grows_with_the_flowing_streams_past_a_chunk_cap():
-    front = AsyncEngine(None, stream_interval_s=0.05)  # no thread: only the pacing rule
+    front = AsyncEngine(None, stream_interval_s=0.05)  # type: ignore[arg-type]  # no core: pacing
     front.flowing = 400
     assert front.chunk_interval() == 0.05  # no cap
     front.max_chunks_per_s = 2000.0
@@ -193,7 +229,7 @@ async def test_a_channel_opened_mid_request_loses_and_repeats_nothing(engine):
                 from_channel.setdefault(chunk.request_id, []).append(chunk)
 
     reader = asyncio.create_task(open_later())
-    results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+    results = await together(engine, [one(i) for i in range(len(PROMPTS))])
     await asyncio.wait_for(reader, 5.0)
     for i, own in enumerate(results):
         expected = [t for _, chunk in plain[f"r{i}"] for t in chunk]

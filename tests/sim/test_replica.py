@@ -118,7 +118,7 @@ def test_a_hint_loads_the_adapter_before_its_request():
 
 
 def test_an_idle_engine_acts_on_a_hint_only_when_work_comes():
-    # AsyncEngine._run steps only while the engine has work: a hint to an idle one waits.
+    # EngineLoop.run steps only while the engine has work: a hint to an idle one waits.
     run = Run()
     run.loop.at(0.0, run.replica.prefetch_hint, "a")
     run.at(0.3, "late", "a")
