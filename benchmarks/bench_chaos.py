@@ -98,7 +98,8 @@ class ChaosLog:
 def kill_9(app: str, deployment: str, rng: random.Random) -> ServingProcess:
     """SIGKILL one replica of `deployment`, found in Ray's actor table; returns it."""
     role = {ENGINE: "engine", INGRESS: "ingress"}[deployment]
-    replicas = [p for p in serving_processes(app, INGRESS, ENGINE) if p.role == role]
+    found = serving_processes(app, INGRESS, ENGINE)
+    replicas = [p for p in found if p.role == role and not p.spawned]  # the actors themselves
     if not replicas:
         raise RuntimeError(f"no process of {app}/{deployment} found")
     victim = rng.choice(replicas)

@@ -24,6 +24,7 @@ class ServingProcess:
     role: str  # "proxy", "ingress", "engine", "controller"
     pid: int
     actor_id: str = ""
+    spawned: bool = False  # a process the actor started (an engine replica's engine process)
 
 
 def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingProcess]:
@@ -42,7 +43,8 @@ def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingP
         if role is not None and actor.get("State") == "ALIVE" and actor.get("Pid"):
             found.append(ServingProcess(role, int(actor["Pid"]), actor_id))
     engines = {p.pid: p.actor_id for p in found if p.role == "engine"}
-    found += [ServingProcess("engine", pid, engines[parent]) for pid, parent in _spawned(engines)]
+    found += [ServingProcess("engine", pid, engines[parent], spawned=True)
+              for pid, parent in _spawned(engines)]  # fmt: skip
     return sorted(found, key=lambda p: (p.role, p.pid))
 
 
