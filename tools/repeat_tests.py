@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
-def run_once(pytest_args: list[str], fresh_clone: bool) -> tuple[bool, list[str], float]:
-    """One pytest process: (passed, the failed test ids, seconds)."""
+def run_once(pytest_args: list[str], fresh_clone: bool) -> tuple[bool, list[str], float, str]:
+    """One pytest process: (passed, the failed test ids, seconds, its output)."""
     with tempfile.TemporaryDirectory(prefix="repeat-") as scratch:
         env = dict(os.environ)
         cwd = ROOT
@@ -51,7 +51,7 @@ def run_once(pytest_args: list[str], fresh_clone: bool) -> tuple[bool, list[str]
     failed = FAILED_LINE.findall(output)
     if done.returncode != 0 and not failed:  # a crash, a collection error, an internal error
         failed = [f"exit status {done.returncode}: {output.strip().splitlines()[-1:]}"]
-    return done.returncode == 0, failed, seconds
+    return done.returncode == 0, failed, seconds, output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         pytest_args = ["-n0", *pytest_args]
     runs = []
     for i in range(args.runs):
-        passed, failed, seconds = run_once(pytest_args, args.fresh_clone)
+        passed, failed, seconds, output = run_once(pytest_args, args.fresh_clone)
         runs.append({"passed": passed, "failed": failed, "seconds": round(seconds, 1)})
+        if not passed:  # a rare failure is worth its whole output: which assertion, what values
+            log = Path(tempfile.gettempdir()) / f"repeat-tests-{os.getpid()}-run{i + 1}.log"
+            log.write_text(output)
+            failed = [*failed, f"output: {log}"]
         print(
             f"run {i + 1}/{args.runs}: {'pass' if passed else 'FAIL'} in {seconds:.0f} s"
             + "".join(f"\n  {test}" for test in failed),
