@@ -24,8 +24,9 @@ from replicas.deployment.stats import ReplicaStats, routing_stats_dict, served_a
 from replicas.engine import Engine, RequestRejected
 from replicas.engine_core import build_core
 from replicas.engine_stats import RoutingStats
+from replicas.errors import ErrorKind
 from replicas.leases import CallerLeases
-from replicas.protocol import GenerateChunk, GenerateRequest
+from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,7 +41,8 @@ LEASE_S = 0.5
 CHANNEL_IDLE_S = 1.0  # a caller's channel with nothing to send for this long ends (a draining
 # replica waits for it: Serve counts it as an ongoing request)
 LEASE_SWEEP_S = 0.25  # how often a replica looks for callers whose lease lapsed
-CALLERS_KEPT = 64  # callers whose last request's end `stats()` reports
+CALLERS_KEPT = 64  # callers whose last request's end `stats()` reports (and dead ones kept)
+ABANDONED = "the request's caller went away"
 
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=10)
@@ -82,6 +84,10 @@ class EngineDeployment:
         self.abandoned_at: float | None = None  # wall clock (time.time) of the last of them
         # caller -> wall clock when its last live request here ended (the newest CALLERS_KEPT)
         self.caller_done_at: dict[str, float] = {}
+        # Callers the GCS reported dead (the newest CALLERS_KEPT). DEAD is final for an actor
+        # id, so a request of theirs that reaches the replica later (sent before the caller
+        # died, queued behind a busy loop) is refused at once rather than tracked anew.
+        self._dead: dict[str, None] = {}
         # Adapters loaded and unloaded at run time, kept by the fleet (replicas/adapter_ledger.py):
         # caught up with before the engine's first step, then every LEDGER_SYNC_S. Its follower
         # lives beside the engine (`engine_calls.follower`).
@@ -130,6 +136,11 @@ class EngineDeployment:
         request that caller's: once the caller's lease lapses (`lease_s` after its last request
         or its last answer as alive) it is asked after, and its requests are aborted only if it
         is dead (`abort_abandoned`)."""
+        if caller is not None and caller in self._dead:
+            self._abandoned(request.request_id, caller)
+            error = EngineError(ABANDONED, ErrorKind.UNAVAILABLE)
+            yield GenerateChunk(request.request_id, finish_reason="error", error=error)
+            return
         if caller is not None:
             self.leases.track(request.request_id, caller, lease_s)
         first = True
@@ -155,7 +166,7 @@ class EngineDeployment:
         call); a replica reached by mistake yields nothing and ends. Ends after `idle_s` with
         nothing to send, and when the caller is found dead; what it holds then goes back to
         the requests' own streams."""
-        if replica_id != self.replica_id:
+        if replica_id != self.replica_id or caller in self._dead:
             return
         channel = self.engine.open_channel(caller)
         try:
@@ -185,13 +196,19 @@ class EngineDeployment:
             if caller not in dead:
                 self.leases.renew(caller, LEASE_S)
                 continue
+            self._dead[caller] = None
+            while len(self._dead) > CALLERS_KEPT:
+                del self._dead[next(iter(self._dead))]
             for request_id in self.leases.abandon(caller):
-                self.num_abandoned += 1
-                self.abandoned_at = time.time()
-                logger.warning("aborting request %s: its caller %s is dead", request_id, caller)
-                self.engine.abort(request_id, "the request's caller went away")
+                self._abandoned(request_id, caller)
+                self.engine.abort(request_id, ABANDONED)
             self.engine.drop_channel(caller)
             self._caller_done(caller)
+
+    def _abandoned(self, request_id: str, caller: str) -> None:
+        self.num_abandoned += 1
+        self.abandoned_at = time.time()
+        logger.warning("aborting request %s: its caller %s is dead", request_id, caller)
 
     async def info(self) -> dict:
         return await self.engine.call(engine_calls.engine_info)

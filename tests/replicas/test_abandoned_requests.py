@@ -104,6 +104,10 @@ async def idle(deployment) -> dict:
     raise AssertionError("the engine is still running requests")
 
 
+async def collect(stream) -> list:
+    return [chunk async for chunk in stream]
+
+
 async def sweep(deployment, clock: FakeClock, times: int, step_s: float = 0.6) -> None:
     for _ in range(times):
         clock.now += step_s
@@ -165,6 +169,34 @@ class TestLiveCallersKeepTheirRequests:
         assert stats["num_aborted"] == 2 and stats["num_abandoned"] == 1
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
         assert stats["num_held_slots"] == 0 and deployment.leases.num_tracked == 0
+
+    async def test_a_request_reaching_the_replica_after_its_caller_was_found_dead_never_runs(
+        self, fleet
+    ):
+        """Sent before the caller died, it reached the replica after (queued behind a busy
+        loop): DEAD is final for an actor id, so it ends at once, counted, and holds nothing,
+        where it used to be tracked anew and run until the next lease lapsed. Its channel
+        ends at once too. (A chaos run on a loaded 2-core machine: the orphans' abort took
+        2.96 s, 2.4 s of it one such late request.)"""
+        deployment, clock, cluster = fleet
+        cluster.dead.add("dead-ingress")
+        orphan = await start(deployment, "orphan", "dead-ingress")
+        await sweep(deployment, clock, 1)
+        assert [chunk async for chunk in orphan][-1].error.kind is ErrorKind.UNAVAILABLE
+        sampling = SamplingParams(max_tokens=8000, temperature=0.0, ignore_eos=True)
+        late = deployment.generate(GenerateRequest("late", [5, 17], sampling), "dead-ingress")
+        chunks = await asyncio.wait_for(collect(late), 30)  # it used to run: held, forever
+        assert [c.finish_reason for c in chunks] == ["error"] and chunks[0].token_ids == []
+        assert chunks[0].error.kind is ErrorKind.UNAVAILABLE
+        assert "caller went away" in chunks[0].error.message
+        assert deployment.num_abandoned == 2 and deployment.leases.num_tracked == 0
+        assert [b async for b in deployment.channel("dead-ingress", deployment.replica_id)] == []
+        stats = await idle(deployment)
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+        assert cluster.asked == ["dead-ingress"]  # found dead once, never asked again
+        live = await start(deployment, "live", "live-ingress")  # other callers are untouched
+        assert (await deployment.stats())["num_running"] == 1
+        await live.aclose()
 
     async def test_requests_without_a_caller_are_never_abandoned(self, fleet):
         deployment, clock, cluster = fleet
