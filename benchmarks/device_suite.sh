@@ -15,6 +15,9 @@
 #   bash benchmarks/device_suite.sh serve                        # the app through HTTP against
 #   bash benchmarks/device_suite.sh serve-poisson                #   the engine in-process and the
 #   bash benchmarks/device_suite.sh serve-seeds                  #   roofline (Ray Serve; one a call)
+#   bash benchmarks/device_suite.sh serve-process                # saturated, then seeds: the
+#   bash benchmarks/device_suite.sh serve-seeds-process          #   engine loop on a thread, then
+#                                                                #   in a process (one a call)
 #   bash benchmarks/device_suite.sh serve-2x                     #   saturated on 2 GPUs
 #   bash benchmarks/device_suite.sh serve-scale                  # saturated on 1, 2 and 4 GPUs
 #                                                                #   of one machine, 512 requests
@@ -129,6 +132,14 @@ for s in "$@"; do
                     --replicas "$n" --num-requests $((512 * n)) --http-only \
                     --name "saturated_scale_${n}x" --out "$OUT"
             done ;;
+        serve-process | serve-seeds-process)  # the engine loop on a thread, then in a process
+            # of its own (HTTP only: the first run's in-process figure is the baseline)
+            workload=saturated
+            [ "$s" = serve-seeds-process ] && workload=seeds
+            stage "$s-thread" 300 python -m benchmarks.bench_serve --workload "$workload" \
+                --name "${workload}_thread" --out "$OUT"
+            stage "$s-process" 250 python -m benchmarks.bench_serve --workload "$workload" \
+                --set engine_process=true --http-only --name "${workload}_process" --out "$OUT" ;;
         serve-2x)  # needs 2 GPUs
             stage serve-2x 570 python -m benchmarks.bench_serve --workload saturated --replicas 2 \
                 --out "$OUT" ;;

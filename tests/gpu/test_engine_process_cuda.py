@@ -1,7 +1,10 @@
 """The engine loop in a process of its own (`engine_process`) on a GPU: the child builds the
 engine on CUDA, and its float32 greedy tokens, streamed back one message a step, equal
 transformers + PEFT's. The child runs with torch's defaults (TF32 off for matmuls), as the
-reference does inside `full_float32`."""
+reference does inside `full_float32`. Synchronous, with `asyncio.run`: the GPU image has no
+pytest-asyncio."""
+
+import asyncio
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 MAX_TOKENS = 12
 
 
-async def test_the_engine_process_on_cuda_streams_pefts_greedy_tokens(tmp_path):
+def test_the_engine_process_on_cuda_streams_pefts_greedy_tokens(tmp_path):
     model_dir = make_model(
         tmp_path / "m", hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2
     )
@@ -35,18 +38,22 @@ async def test_the_engine_process_on_cuda_streams_pefts_greedy_tokens(tmp_path):
     )  # fmt: skip
     core, _ = build_core(config)
     assert isinstance(core, ProcessCore)
-    engine = AsyncEngine(core, stream_interval_s=0.0)
+    got = asyncio.run(stream_all(AsyncEngine(core, stream_interval_s=0.0)))
+    with full_float32():
+        for rid, prompt in PROMPTS.items():
+            model = hf_model(model_dir, adapter if rid == "a" else None, torch.float32)
+            assert got[rid] == reference_greedy(model, prompt, MAX_TOKENS), rid
+
+
+async def stream_all(engine: AsyncEngine) -> dict[str, list[int]]:
+    """Each prompt's tokens, one request after another (`a` on the adapter)."""
     engine.start()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     got = {}
     try:
         for rid, prompt in PROMPTS.items():
-            adapter_name = "a" if rid == "a" else None
-            request = GenerateRequest(rid, prompt, params, adapter_name)
+            request = GenerateRequest(rid, prompt, params, "a" if rid == "a" else None)
             got[rid] = [t async for chunk in engine.generate(request) for t in chunk.token_ids]
     finally:
         engine.shutdown()
-    with full_float32():
-        for rid, prompt in PROMPTS.items():
-            model = hf_model(model_dir, adapter if rid == "a" else None, torch.float32)
-            assert got[rid] == reference_greedy(model, prompt, MAX_TOKENS), rid
+    return got
