@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +23,24 @@ import torch
 
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def commit() -> str | None:
+    """The tree's commit: `COMMIT` from the environment (a GPU machine gets the working tree
+    without its history), else git's HEAD, else None."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() or None if head.returncode == 0 else None
 
 
 def time_cuda(
@@ -139,6 +158,7 @@ def write_results(
     meta = {
         "command": "python " + " ".join(sys.argv),
         "device": device_name(),
+        "commit": commit(),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "comparison": comparison,

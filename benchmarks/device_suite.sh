@@ -44,6 +44,8 @@
 # Where Ray is not installed, put it on the path first (e.g. a prepared site-packages bundle);
 # every stage but `router` needs only torch, triton, transformers, peft and safetensors.
 #
+# `COMMIT=<sha>` names the tree in every result file (the GPU machine has no git history).
+#
 # Every stage has its own time limit and writes its log and result files under $OUT (default
 # benchmarks/results), so one stage failing or running long leaves the others' results.
 set -uo pipefail

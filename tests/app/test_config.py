@@ -119,8 +119,10 @@ class TestAppArgs:
         graphs = AppArgs(enforce_eager=True, max_prefill_graph_tokens=0)
         config = graphs.to_engine_config("/models/m", "cuda")
         assert (config.enforce_eager, config.max_prefill_graph_tokens) == (True, 0)
-        assert not config.engine_process  # off until measured on a GPU
+        assert config.engine_process  # null: its own process on cuda, a thread on cpu
+        assert not AppArgs().to_engine_config("/m", "cpu").engine_process
         assert AppArgs(engine_process=True).to_engine_config("/m", "cpu").engine_process
+        assert not AppArgs(engine_process=False).to_engine_config("/m", "cuda").engine_process
         with pytest.raises(ValueError):
             AppArgs(max_prefill_graph_tokens=-1)
         assert config.stream_interval_s == 0.05 and config.timed_steps is None

@@ -1,6 +1,8 @@
 """The GPU test record: each test case of a JUnit report becomes a row with its outcome."""
 
+import ast
 import json
+from pathlib import Path
 
 from tools.gpu_tests import DEFAULT_ARGS, outcomes, with_default_paths, write
 
@@ -47,3 +49,25 @@ def test_flags_alone_run_the_default_paths_and_paths_replace_them():
     assert with_default_paths(["-q", "-x"]) == [*DEFAULT_ARGS, "-q", "-x"]
     named = ["tests/gpu/test_staging.py::test_copies_on_a_side_stream_are_fenced_too", "-q"]
     assert with_default_paths(named) == named
+
+
+def test_no_gpu_test_needs_an_async_plugin():
+    """The GPU image has pytest but no pytest-asyncio: a coroutine test there fails before it
+    runs ("async def functions are not natively supported"). GPU tests drive their event loop
+    with `asyncio.run`."""
+    root = Path(__file__).resolve().parents[2]
+    files = [
+        path
+        for folder in DEFAULT_ARGS
+        if (root / folder).is_dir()
+        for path in sorted((root / folder).rglob("test_*.py"))
+        if "mark.gpu" in path.read_text()
+    ]
+    assert len(files) > 5
+    found = [
+        f"{path.relative_to(root)}:{node.lineno} {node.name}"
+        for path in files
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.AsyncFunctionDef) and node.name.startswith("test")
+    ]
+    assert found == []
