@@ -135,11 +135,12 @@ for s in "$@"; do
                     --name "saturated_scale_${n}x" --out "$OUT"
             done ;;
         serve-process | serve-seeds-process)  # the engine loop on a thread, then in a process
-            # of its own (HTTP only: the first run's in-process figure is the baseline)
+            # of its own (HTTP only: the first run's in-process figure is the baseline; then
+            # python -m benchmarks.serve_compare --pair THREAD.json:PROCESS.json)
             workload=saturated
             [ "$s" = serve-seeds-process ] && workload=seeds
             stage "$s-thread" 300 python -m benchmarks.bench_serve --workload "$workload" \
-                --name "${workload}_thread" --out "$OUT"
+                --set engine_process=false --name "${workload}_thread" --out "$OUT"
             stage "$s-process" 250 python -m benchmarks.bench_serve --workload "$workload" \
                 --set engine_process=true --http-only --name "${workload}_process" --out "$OUT" ;;
         serve-2x)  # needs 2 GPUs
