@@ -41,7 +41,6 @@ logger = logging.getLogger("ray.serve")
 ENGINE_FAILED = "the engine replica serving this request failed or is unavailable; retry"
 ENGINE_BUSY = "every engine replica's queue is full; retry later"
 
-CHANNEL_OPEN_TIMEOUT_S = 5.0  # a channel not open by then is given up (requests go on without)
 CHANNEL_RETRY_S = 1.0  # after a channel failed to open, how long before it is tried again
 # A request whose last chunk came while tokens before it are still on their way on a channel:
 # how long to wait for them once the channel is gone before giving the request up.
@@ -151,7 +150,10 @@ class ServeEngineClient(ServeFleetClient):
         )
         opened = False
         try:
-            await asyncio.wait_for(response.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
+            # However long the open takes (a busy replica): the engine moves the requests' tokens
+            # onto the channel as it opens, so a channel given up then would lose what it sent.
+            # Until it opens, the requests' own streams carry their tokens.
+            await response.__anext__()
             opened = True
             async for batch in response:
                 for chunk in batch:
