@@ -40,7 +40,9 @@ def commit() -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return head.stdout.strip() or None if head.returncode == 0 else None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() or None
 
 
 def time_cuda(

@@ -28,11 +28,15 @@ class CallerLeases:
     `renew` extends the lease of a caller that owns requests (it was found alive, perhaps after
     its last request ended: then nothing is kept); `release` forgets a request that
     ended, and its caller once it owns none. `lapsed_callers` lists the callers to ask after;
-    `abandon` forgets a caller found dead and returns its requests.
+    `abandon` forgets a caller found dead and returns its requests. A caller found dead stays
+    so (`is_dead`, the newest `dead_kept`): DEAD is final for an actor id, so a request of its
+    that arrives later (sent before it died, queued behind a busy loop) is not to be tracked.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, dead_kept: int = 64) -> None:
         self.clock = clock
+        self.dead_kept = dead_kept
+        self._dead: dict[str, None] = {}  # callers found dead, oldest first
         self._until: dict[str, float] = {}  # caller -> when to ask after it again
         self._requests: dict[str, set[str]] = {}  # caller -> request ids
         self._owner: dict[str, str] = {}  # request id -> caller
@@ -66,11 +70,18 @@ class CallerLeases:
 
     def abandon(self, caller: str) -> list[str]:
         """Forget `caller`, found dead, and return the requests it owned (to be aborted)."""
+        self._dead[caller] = None
+        while len(self._dead) > self.dead_kept:
+            del self._dead[next(iter(self._dead))]
         self._until.pop(caller, None)
         abandoned = sorted(self._requests.pop(caller, ()))
         for request_id in abandoned:
             del self._owner[request_id]
         return abandoned
+
+    def is_dead(self, caller: str) -> bool:
+        """Whether `caller` was found dead (`abandon`)."""
+        return caller in self._dead
 
     def owns(self, caller: str) -> int:
         """How many live requests `caller` owns."""

@@ -73,7 +73,7 @@ class EngineDeployment:
         self.replica_id = ray_runtime.replica_id()
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.metrics.set_slot_capacity(config.max_loras_per_batch)
-        self.leases = CallerLeases(clock)
+        self.leases = CallerLeases(clock, dead_kept=CALLERS_KEPT)
         # Which callers (ingress replicas' actor ids) are known dead: asked only of callers whose
         # lease lapsed, so a live ingress sends nothing to keep its requests.
         self._serve = ray_runtime.serve_context()
@@ -84,10 +84,6 @@ class EngineDeployment:
         self.abandoned_at: float | None = None  # wall clock (time.time) of the last of them
         # caller -> wall clock when its last live request here ended (the newest CALLERS_KEPT)
         self.caller_done_at: dict[str, float] = {}
-        # Callers the GCS reported dead (the newest CALLERS_KEPT). DEAD is final for an actor
-        # id, so a request of theirs that reaches the replica later (sent before the caller
-        # died, queued behind a busy loop) is refused at once rather than tracked anew.
-        self._dead: dict[str, None] = {}
         # Adapters loaded and unloaded at run time, kept by the fleet (replicas/adapter_ledger.py):
         # caught up with before the engine's first step, then every LEDGER_SYNC_S. Its follower
         # lives beside the engine (`engine_calls.follower`).
@@ -136,7 +132,7 @@ class EngineDeployment:
         request that caller's: once the caller's lease lapses (`lease_s` after its last request
         or its last answer as alive) it is asked after, and its requests are aborted only if it
         is dead (`abort_abandoned`)."""
-        if caller is not None and caller in self._dead:
+        if caller is not None and self.leases.is_dead(caller):  # it reached us late: refused
             self._abandoned(request.request_id, caller)
             error = EngineError(ABANDONED, ErrorKind.UNAVAILABLE)
             yield GenerateChunk(request.request_id, finish_reason="error", error=error)
@@ -166,7 +162,7 @@ class EngineDeployment:
         call); a replica reached by mistake yields nothing and ends. Ends after `idle_s` with
         nothing to send, and when the caller is found dead; what it holds then goes back to
         the requests' own streams."""
-        if replica_id != self.replica_id or caller in self._dead:
+        if replica_id != self.replica_id or self.leases.is_dead(caller):
             return
         channel = self.engine.open_channel(caller)
         try:
@@ -196,9 +192,6 @@ class EngineDeployment:
             if caller not in dead:
                 self.leases.renew(caller, LEASE_S)
                 continue
-            self._dead[caller] = None
-            while len(self._dead) > CALLERS_KEPT:
-                del self._dead[next(iter(self._dead))]
             for request_id in self.leases.abandon(caller):
                 self._abandoned(request_id, caller)
                 self.engine.abort(request_id, ABANDONED)
