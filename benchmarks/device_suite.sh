@@ -22,6 +22,8 @@
 #   bash benchmarks/device_suite.sh serve-scale                  # saturated on 1, 2 and 4 GPUs
 #                                                                #   of one machine, 512 requests
 #                                                                #   a replica (4 GPUs; ~8 min)
+#   bash benchmarks/device_suite.sh serve-scale-timed            # the same on this host's CPUs
+#                                                                #   with timed steps (~5 min)
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
 #   bash benchmarks/device_suite.sh router-placement             # the routing cells of
@@ -133,6 +135,17 @@ for s in "$@"; do
                 stage "serve-scale-${n}x" 200 python -m benchmarks.bench_serve --workload saturated \
                     --replicas "$n" --num-requests $((512 * n)) --http-only \
                     --name "saturated_scale_${n}x" --out "$OUT"
+            done ;;
+        serve-scale-timed)  # the served path's scale-out on this host's CPUs: timed steps (the
+            # H200's calibrated step times, the launch share run as Python), engine loops in
+            # processes as on GPUs, 1, 2 and 4 replicas, 512 requests a replica; no GPU used
+            for n in 1 2 4; do
+                only=--http-only
+                [ "$n" = 1 ] && only=
+                stage "serve-scale-timed-${n}x" 200 python -m benchmarks.bench_serve \
+                    --workload saturated --timed --host-share 0.29 --set engine_process=true \
+                    --replicas "$n" --num-requests $((512 * n)) $only \
+                    --name "saturated_scale_timed_${n}x" --out "$OUT"
             done ;;
         serve-process | serve-seeds-process)  # the engine loop on a thread, then in a process
             # of its own (HTTP only: the first run's in-process figure is the baseline; then

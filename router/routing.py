@@ -53,6 +53,25 @@ def replica_view(
     )
 
 
+def reported_stats(replica: Any) -> Any:
+    """A replica's `routing_stats`, None before it has reported (Serve raises then)."""
+    try:
+        return replica.routing_stats
+    except Exception:
+        return None
+
+
+def stats_queue_len(stats: Any) -> int | None:
+    """The engine's running plus waiting requests in `routing_stats`, None when they are not
+    both there."""
+    if not isinstance(stats, Mapping):
+        return None
+    running, waiting = stats.get("num_running"), stats.get("num_waiting")
+    if isinstance(running, int) and isinstance(waiting, int) and min(running, waiting) >= 0:
+        return running + waiting
+    return None
+
+
 def _names(value: Any) -> frozenset[str]:
     if isinstance(value, (list, tuple, set, frozenset)):
         return frozenset(v for v in value if isinstance(v, str))
@@ -98,14 +117,10 @@ class AffinityRouting:
         views = []
         for replica in replicas:
             rid = replica.replica_id.unique_id
-            try:
-                stats = replica.routing_stats
-            except Exception:  # a replica that has not reported yet
-                stats = None
             views.append(
                 replica_view(
                     rid,
-                    stats,
+                    reported_stats(replica),
                     queue_len=queue_len(replica),
                     tokens_in_flight=self._tokens.get(rid, 0),
                     default_num_slots=self.default_num_slots,

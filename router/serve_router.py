@@ -19,6 +19,14 @@ Attached to the engine deployment (`request_router_config.request_router_class =
 `on_request_routed` / `on_request_completed` feed the policy's `on_routed` / `on_finished`, so
 it knows its recent placements before the next stats poll shows them.
 
+Serve picks within a tier only among replicas whose queue length it has cached; one missing is
+probed in the background, with a 0.1 s deadline. A replica that keeps missing that deadline (a
+busy event loop, a host short of CPU) would get no request at all while the others stay cached.
+So each routing-stats update the controller pushes (`update_replicas`) also fills in the cached
+length of a replica that has none, from the engine's running and waiting counts it reported:
+the controller's poll just reached that replica, and the first request sent there brings back
+its exact count.
+
 No `FIFOMixin`: it hands a replica found for one request to the oldest pending request (or one
 for the same adapter), while affinity placement is per request; the base router's exact match
 keeps each placement with the request it was chosen for. No `LocalityMixin`: an adapter load
@@ -43,7 +51,13 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from router.hints import HINT_INTERVAL_S, HintSender, board_name, lookup_board
 from router.policy import AffinityPolicy
-from router.routing import DEFAULT_NUM_SLOTS, AffinityRouting, replica_view
+from router.routing import (
+    DEFAULT_NUM_SLOTS,
+    AffinityRouting,
+    replica_view,
+    reported_stats,
+    stats_queue_len,
+)
 
 __all__ = [
     "AffinityRequestRouter",
@@ -127,6 +141,7 @@ class AffinityRequestRouter(RequestRouter):
         self.routing = AffinityRouting(
             AffinityPolicy(**policy_kwargs), hints=hints, default_num_slots=num_slots
         )
+        self._last_stats: dict[ReplicaID, Any] = {}  # each replica's last routing stats
 
     async def choose_replicas(
         self,
@@ -145,6 +160,20 @@ class AffinityRequestRouter(RequestRouter):
 
     def _cached_queue_len(self, replica: RunningReplica) -> int | None:
         return self._replica_queue_len_cache.get(replica.replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        last, self._last_stats = self._last_stats, {}
+        for replica in replicas:
+            stats = reported_stats(replica)
+            queue_len = stats_queue_len(stats)
+            if queue_len is None:
+                continue
+            self._last_stats[replica.replica_id] = stats
+            # Only a report that changed is known to be new: the controller resends every
+            # replica's last one when any of them changes.
+            if stats != last.get(replica.replica_id) and self._cached_queue_len(replica) is None:
+                self.on_new_queue_len_info(replica.replica_id, queue_len)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

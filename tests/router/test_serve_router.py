@@ -40,6 +40,20 @@ class FakeReplica:
         return FakeId(self.name)
 
 
+@dataclass
+class ProbedReplica(FakeReplica):
+    """A replica Serve's own selection can probe: `get_queue_len` answers `answer`, or never
+    (None), as a replica whose probes all miss their deadline."""
+
+    answer: int | None = None
+    max_ongoing_requests: int = 100
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        if self.answer is None:
+            await asyncio.Event().wait()
+        return self.answer
+
+
 class BrokenStats(FakeReplica):
     @property
     def routing_stats(self) -> dict[str, Any]:
@@ -457,6 +471,57 @@ class TestRequestRouter:
         assert router.routing.policy.demand("a") == 0
         assert router.routing.tokens_in_flight("r1") == 0
 
+    @pytest.fixture
+    def cached_router(self):
+        """As Serve builds it for a deployment with `max_ongoing_requests` (strict): with its
+        queue-length cache."""
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        router = AffinityRequestRouter(
+            deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
+            handle_source=DeploymentHandleSource.UNKNOWN,
+            use_replica_queue_len_cache=True,
+        )
+        router.initialize_state(prefetch_hints=False)
+        return router
+
+    async def test_a_replica_that_misses_every_probe_is_chosen_from_its_stats(self, cached_router):
+        router = cached_router
+        busy = ProbedReplica("r0", stats(running=5), answer=5)
+        silent = ProbedReplica("r1", stats(running=1, waiting=1), answer=None)
+        router.update_replicas([busy])
+        assert await router._select_from_candidate_replicas([busy], 0) is busy
+        assert await router._select_from_candidate_replicas([busy, silent], 0) is busy
+        router.update_replicas([busy, silent])  # the controller's push with r1's first report
+        assert router._replica_queue_len_cache.get(silent.replica_id) == 2
+        assert await router._select_from_candidate_replicas([busy, silent], 0) is silent
+
+    async def test_only_a_changed_report_fills_a_missing_length(self, cached_router):
+        router = cached_router
+        replica = ProbedReplica("r0", stats(running=3), answer=None)
+        router.update_replicas([replica])
+        assert router._replica_queue_len_cache.get(replica.replica_id) == 3
+        router.on_replica_actor_unavailable(replica.replica_id)
+        replica.routing_stats = stats(running=3)  # resent unchanged: maybe older than the loss
+        router.update_replicas([replica])
+        assert router._replica_queue_len_cache.get(replica.replica_id) is None
+        replica.routing_stats = stats(running=4)
+        router.update_replicas([replica])
+        assert router._replica_queue_len_cache.get(replica.replica_id) == 4
+
+    @pytest.mark.parametrize(
+        "reported", [{}, {"num_running": 2}, {"num_running": -1, "num_waiting": 0}]
+    )
+    async def test_stats_without_counts_fill_nothing(self, cached_router, reported):
+        replica = ProbedReplica("r0", reported, answer=None)
+        cached_router.update_replicas([replica])
+        assert cached_router._replica_queue_len_cache.get(replica.replica_id) is None
+
+    async def test_stats_never_overwrite_a_cached_length(self, cached_router):
+        replica = ProbedReplica("r0", stats(), answer=None)
+        cached_router.on_new_queue_len_info(replica.replica_id, 7)  # a request's own answer
+        cached_router.update_replicas([replica])
+        assert cached_router._replica_queue_len_cache.get(replica.replica_id) == 7
 
     def channel(self, replica_id: str, request_id: str = "c1"):
         from ray.serve._private.common import RequestMetadata
