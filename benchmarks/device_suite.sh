@@ -138,12 +138,14 @@ for s in "$@"; do
             done ;;
         serve-scale-timed)  # the served path's scale-out on this host's CPUs: timed steps (the
             # H200's calibrated step times, the launch share run as Python), engine loops in
-            # processes as on GPUs, 1, 2 and 4 replicas, 512 requests a replica; no GPU used
+            # processes and 2 ingress replicas an engine replica as on GPUs, 1, 2 and 4
+            # replicas, 512 requests a replica; no GPU used
             for n in 1 2 4; do
                 only=--http-only
                 [ "$n" = 1 ] && only=
                 stage "serve-scale-timed-${n}x" 200 python -m benchmarks.bench_serve \
                     --workload saturated --timed --host-share 0.29 --set engine_process=true \
+                    --set num_ingress_replicas=$((2 * n)) \
                     --replicas "$n" --num-requests $((512 * n)) $only \
                     --name "saturated_scale_timed_${n}x" --out "$OUT"
             done ;;
