@@ -210,8 +210,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "holding the GIL as launches do (default 0: steps only sleep; 0.29 is an H200 engine's "
         "launch share in-process, 5.64 of 19.2 ms a step at 123 sequences)",
     )
+    ap.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        metavar="K",
+        help="load generator processes sending the HTTP requests (default: one an engine "
+        "replica); one process reads about a core's worth of streams",
+    )
     add_run_options(ap, "bench_serve", 900.0, "CPU, tiny model, a handful of requests")
     args = ap.parse_args(argv)  # fmt: skip
+    if args.clients is None:
+        args.clients = args.replicas
+    if args.clients < 1:
+        ap.error("--clients must be at least 1")
     wl = (SMOKE if args.smoke else WORKLOADS)[args.workload]
     if args.num_requests is not None:
         wl = replace(wl, num_requests=args.num_requests)
@@ -277,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     meta = {
         "workload": describe(wl),
         "replicas": args.replicas,
+        "load_generator_processes": args.clients,
         "app_args": app.model_dump(mode="json", exclude={"adapters"}),
         "ceilings": ceilings.to_json(),
         "roofline_formula": FORMULA,

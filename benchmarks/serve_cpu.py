@@ -130,10 +130,13 @@ def cpu_per_token(
     after: Mapping[int, float],
     tokens: int,
     engine_step_cpu_s: float = 0.0,
+    client_cpu_s: float | None = None,
 ) -> dict[str, Any]:
     """Microseconds of host CPU per delivered token, by role (summed over a role's processes)
     and in all; `engine outside steps` takes the engine threads' CPU inside steps
     (`engine_step_cpu_s`, from the replicas' stats over the same run) out of the engine's.
+    `client_cpu_s`, the load generator's own CPU over the run, is shown beside them (not
+    summed): one process, so near a core's worth it, not the app, is what limits the run.
     `us_per_token_by_process` has each process alone ("ingress 1", "ingress 2", ... in pid
     order); `processes` counts each role's processes."""
     by_role: dict[str, float] = {}
@@ -153,6 +156,9 @@ def cpu_per_token(
     per_token = {k: (1e6 * s / tokens if tokens else None) for k, s in seconds.items()}
     if "controller" in by_role and tokens:
         per_token["controller (not summed)"] = 1e6 * by_role["controller"] / tokens
+    if client_cpu_s is not None:
+        seconds["load generator (not summed)"] = client_cpu_s
+        per_token["load generator (not summed)"] = 1e6 * client_cpu_s / tokens if tokens else None
     return {
         "us_per_token": per_token,
         "us_per_token_by_process": by_process,

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from benchmarks.common import wait_healthy
 from benchmarks.serve_cpu import (
     busiest_threads,
     cpu_per_token,
+    cpu_seconds,
     read_all,
     read_threads,
     serving_processes,
@@ -31,6 +33,7 @@ from benchmarks.serve_report import Measured, fleet_figures, row, step_figures
 from benchmarks.serve_workloads import Stream, Workload
 from loadgen import OpenAIClient, RequestSpec, run_benchmark
 from loadgen.runner import warm_up
+from loadgen.shards import ShardedClient
 
 APP_NAME = "bench-serve"
 ENGINE_DEPLOYMENT = "EngineDeployment"
@@ -43,7 +46,7 @@ async def replica_stats(handle) -> dict[str, dict[str, Any]]:
 
 
 async def http_run(
-    client: OpenAIClient, handle, stream: Stream, profile: str | None = None
+    client: OpenAIClient | ShardedClient, handle, stream: Stream, profile: str | None = None
 ) -> Measured:
     """One stream through HTTP. With `profile` (a folder), py-spy samples every serving
     process for PROFILE_S from the stream's start (collapsed stacks, one file a process)."""
@@ -55,9 +58,14 @@ async def http_run(
     before = await replica_stats(handle)
     cpu_before = read_all(processes)
     threads_before = read_threads(processes)
+    # The load generator: this process (with Ray's driver) and its worker processes, if any.
+    workers = client.worker_pids() if isinstance(client, ShardedClient) else []
+    client_before = time.process_time() + sum(cpu_seconds(pid) or 0.0 for pid in workers)
     result = await run_benchmark(
         client, stream.specs, [stream.load], warmup=0, progress=sys.stderr.isatty()
     )
+    client_after = time.process_time() + sum(cpu_seconds(pid) or 0.0 for pid in workers)
+    client_cpu_s = client_after - client_before
     report = result.runs[0]
     cpu_after = read_all(processes)
     threads_after = read_threads(processes)
@@ -68,8 +76,14 @@ async def http_run(
         for rid, a in after.items()
     )
     cpu = cpu_per_token(
-        processes, cpu_before, cpu_after, report.summary["total_output_tokens"], step_cpu
+        processes,
+        cpu_before,
+        cpu_after,
+        report.summary["total_output_tokens"],
+        step_cpu,
+        client_cpu_s=client_cpu_s,
     )
+    cpu["load_generator_cores"] = client_cpu_s / max(report.summary["duration_s"], 1e-9)
     cpu["threads_cpu_s"] = busiest_threads(processes, threads_before, threads_after)
     return Measured(report.summary, busy, requests, cpu, step_figures(before, after))
 
@@ -105,11 +119,20 @@ async def http_phase(
     timeout_s: float,
     profile_dir: str | None = None,
     profile_stream: int = 0,
+    clients: int = 1,
 ) -> HttpPhase:
+    """Warm up, then each stream through HTTP, sent by `clients` load generator processes
+    (this one alone when 1)."""
     from ray import serve
 
     handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
-    async with OpenAIClient(url, request_timeout_s=timeout_s) as client:
+    if clients > 1:
+        sender: OpenAIClient | ShardedClient = ShardedClient(
+            url, clients, request_timeout_s=timeout_s
+        )
+    else:
+        sender = OpenAIClient(url, request_timeout_s=timeout_s)
+    async with sender as client:
         records = await warm_up(client, warm, len(warm))
         failed = [r for r in records if not r.ok]
         if failed:
@@ -172,7 +195,7 @@ def deploy_and_measure(
     async def measure_then_shut_down() -> HttpPhase:
         try:
             return await http_phase(url, wl, work, warm, args.run_timeout, args.profile,
-                                    args.profile_stream)  # fmt: skip
+                                    args.profile_stream, getattr(args, "clients", 1))  # fmt: skip
         finally:
             # On the loop the handles ran on: with Serve's router on the caller's loop
             # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1), a shutdown after that loop closed fails.

@@ -95,6 +95,7 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
         figures["host_cpu_us_per_token"] = m.host_cpu["us_per_token"]
         figures["host_cpu_us_per_token_by_process"] = m.host_cpu.get("us_per_token_by_process")
         figures["host_cpu_threads_s"] = m.host_cpu.get("threads_cpu_s")
+        figures["load_generator_cores"] = m.host_cpu.get("load_generator_cores")
     return figures
 
 

@@ -45,3 +45,12 @@ def test_microseconds_per_token_by_role_and_in_all():
          "controller 1": 100.0}
     )  # fmt: skip
     assert cpu_per_token(procs, before, after, tokens=0)["us_per_token"]["proxy"] is None
+
+
+def test_the_load_generator_is_shown_beside_the_serving_processes_not_summed():
+    procs = [ServingProcess("proxy", 1)]
+    out = cpu_per_token(procs, {1: 1.0}, {1: 1.5}, tokens=1000, client_cpu_s=0.25)
+    assert out["us_per_token"]["load generator (not summed)"] == pytest.approx(250.0)
+    assert out["us_per_token"]["serving processes"] == pytest.approx(500.0)
+    without = cpu_per_token(procs, {1: 1.0}, {1: 1.5}, tokens=1000)["us_per_token"]
+    assert "load generator (not summed)" not in without
