@@ -25,7 +25,8 @@ busy event loop, a host short of CPU) would get no request at all while the othe
 So each routing-stats update the controller pushes (`update_replicas`) also fills in the cached
 length of a replica that has none, from the engine's running and waiting counts it reported:
 the controller's poll just reached that replica, and the first request sent there brings back
-its exact count.
+its exact count. A replica's answer to a send is its count of requests it took, to which the
+router adds its own sends still on the way there (`router.routing.InTransit`).
 
 No `FIFOMixin`: it hands a replica found for one request to the oldest pending request (or one
 for the same adapter), while affinity placement is per request; the base router's exact match
@@ -54,6 +55,7 @@ from router.policy import AffinityPolicy
 from router.routing import (
     DEFAULT_NUM_SLOTS,
     AffinityRouting,
+    InTransit,
     replica_view,
     reported_stats,
     stats_queue_len,
@@ -142,6 +144,7 @@ class AffinityRequestRouter(RequestRouter):
             AffinityPolicy(**policy_kwargs), hints=hints, default_num_slots=num_slots
         )
         self._last_stats: dict[ReplicaID, Any] = {}  # each replica's last routing stats
+        self._in_transit = InTransit()
 
     async def choose_replicas(
         self,
@@ -163,6 +166,7 @@ class AffinityRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._in_transit.keep_only(r.replica_id for r in replicas)
         last, self._last_stats = self._last_stats, {}
         for replica in replicas:
             stats = reported_stats(replica)
@@ -173,7 +177,28 @@ class AffinityRequestRouter(RequestRouter):
             # Only a report that changed is known to be new: the controller resends every
             # replica's last one when any of them changes.
             if stats != last.get(replica.replica_id) and self._cached_queue_len(replica) is None:
-                self.on_new_queue_len_info(replica.replica_id, queue_len)
+                now = self._get_curr_time_s()
+                in_transit = self._in_transit.pending(replica.replica_id, now)
+                super().on_new_queue_len_info(replica.replica_id, queue_len + in_transit)
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        if self._use_replica_queue_len_cache:
+            self._in_transit.sent(replica_id, self._get_curr_time_s())
+
+    def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
+        """A replica's answer to one of our sends: its count, plus what we still have on the
+        way to it (`router.routing.InTransit`)."""
+        in_transit = self._in_transit.answered(replica_id, self._get_curr_time_s())
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests + in_transit)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._in_transit.forget(replica_id)
+
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        self._in_transit.forget(replica_id)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

@@ -14,6 +14,7 @@ from replicas.protocol import GenerateRequest
 from replicas.request import SamplingParams
 from router.hints import HintBoard, HintDebouncer, HintSender, follow_hints
 from router.policy import AffinityPolicy, ReplicaView
+from router.routing import IN_TRANSIT_S
 from router.serve_router import (
     AffinityRequestRouter,
     AffinityRouting,
@@ -522,6 +523,63 @@ class TestRequestRouter:
         cached_router.on_new_queue_len_info(replica.replica_id, 7)  # a request's own answer
         cached_router.update_replicas([replica])
         assert cached_router._replica_queue_len_cache.get(replica.replica_id) == 7
+
+    def test_an_answer_counts_our_sends_still_on_their_way(self, cached_router):
+        router, rid = cached_router, FakeId("r0")
+        for _ in range(3):
+            router.on_send_request(rid)
+        router.on_new_queue_len_info(rid, 1)  # the first send, taken: 2 still on the way
+        assert router._replica_queue_len_cache.get(rid) == 3
+        router.on_new_queue_len_info(rid, 2)
+        router.on_new_queue_len_info(rid, 3)
+        assert router._replica_queue_len_cache.get(rid) == 3
+        router.on_new_queue_len_info(rid, 1)  # more answers than sends: the count as told
+        assert router._replica_queue_len_cache.get(rid) == 1
+
+    def test_a_send_never_answered_is_forgotten(self):
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        clock = Clock()
+        router = AffinityRequestRouter(
+            deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
+            handle_source=DeploymentHandleSource.UNKNOWN,
+            use_replica_queue_len_cache=True,
+            get_curr_time_s=clock,
+        )
+        router.initialize_state(prefetch_hints=False)
+        rid = FakeId("r0")
+        router.on_send_request(rid)  # a broadcast: Serve never hands us its answer
+        clock.now += IN_TRANSIT_S + 1
+        router.on_send_request(rid)
+        router.on_new_queue_len_info(rid, 4)
+        assert router._replica_queue_len_cache.get(rid) == 4
+        router.on_send_request(rid)
+        router.on_replica_actor_unavailable(rid)  # the call failed: no answer will come
+        router.on_new_queue_len_info(rid, 2)
+        assert router._replica_queue_len_cache.get(rid) == 2
+
+    async def test_a_burst_is_not_drawn_to_the_replica_slowest_to_answer(self, cached_router):
+        """Replica `slow` takes one request for every three this router sends anywhere, and
+        answers each with its count then; `quick` takes and answers each at once. Read as
+        Serve reads them, `slow`'s answers say it holds fewer than are on their way to it, and
+        it would draw most of the burst."""
+        router = cached_router
+        quick, slow = ProbedReplica("quick", answer=0), ProbedReplica("slow", answer=0)
+        router.update_replicas([quick, slow])
+        taken = {"quick": 0, "slow": 0}
+        sent = {"quick": 0, "slow": 0}
+        for i in range(80):
+            replica = await router._select_from_candidate_replicas([quick, slow], 0)
+            name = replica.replica_id.unique_id
+            router.on_send_request(replica.replica_id)
+            sent[name] += 1
+            if name == "quick":
+                taken["quick"] += 1
+                router.on_new_queue_len_info(quick.replica_id, taken["quick"])
+            if i % 3 == 0 and taken["slow"] < sent["slow"]:
+                taken["slow"] += 1
+                router.on_new_queue_len_info(slow.replica_id, taken["slow"])
+        assert abs(sent["quick"] - sent["slow"]) <= 2, sent
 
     def channel(self, replica_id: str, request_id: str = "c1"):
         from ray.serve._private.common import RequestMetadata
