@@ -8,6 +8,11 @@ against the baseline's in-process ones and against its HTTP ones.
 Each `--pair BASELINE:VARIANT` is two result JSONs made one after the other on one machine
 (`benchmarks/device_suite.sh serve-process`); rows are by stream (32 adapters, 1 adapter).
 Writes `bench_serve_compare_<name>.{md,json}`.
+
+Scale-out instead: `--scale ONE.json,TWO.json,FOUR.json` (one replica first, then runs with
+more, each with the same requests a replica: `device_suite.sh serve-scale`) puts each HTTP
+tok/s against N times the one replica's, with how evenly the requests were spread (the most a
+replica got over the mean).
 """
 
 from __future__ import annotations
@@ -72,12 +77,83 @@ def compare(index: int, baseline: dict[str, Any], variant: dict[str, Any]) -> li
     return out
 
 
+SCALE_COLUMNS = [
+    "replicas", "stream", "HTTP tok/s", "one replica's HTTP tok/s", "HTTP / (N x one)",
+    "requests_per_replica", "imbalance", "busy_share", "load generator cores", "commit",
+]  # fmt: skip
+
+
+def imbalance(requests_per_replica: list[int] | None) -> float | None:
+    """The most requests a replica got over the mean (1.0: perfectly even)."""
+    if not requests_per_replica or not sum(requests_per_replica):
+        return None
+    return max(requests_per_replica) * len(requests_per_replica) / sum(requests_per_replica)
+
+
+def scale_rows(runs: list[dict[str, Any]]) -> list[dict]:
+    """One row a stream of each run, against the first run's (one replica's) HTTP tok/s."""
+    one = rows_by(runs[0], "http")
+    out = []
+    for run in runs:
+        n = run["replicas"]
+        for stream, row in rows_by(run, "http").items():
+            if stream not in one:
+                continue
+            base = one[stream]["throughput_tok_s"]
+            out.append(
+                {
+                    "replicas": n,
+                    "stream": stream,
+                    "HTTP tok/s": row["throughput_tok_s"],
+                    "one replica's HTTP tok/s": base,
+                    "HTTP / (N x one)": row["throughput_tok_s"] / (n * base),
+                    "requests_per_replica": row.get("requests_per_replica"),
+                    "imbalance": imbalance(row.get("requests_per_replica")),
+                    "busy_share": row.get("busy_share"),
+                    "load generator cores": row.get("load_generator_cores"),
+                    "commit": run.get("commit"),
+                }
+            )
+    return out
+
+
+def scale(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    runs = [json.loads(Path(p).read_text()) for p in args.scale.split(",")]
+    if runs[0].get("replicas") != 1:
+        parser.error("--scale starts with the one-replica run")
+    per_replica = {_requests_a_replica(r) for r in runs}
+    if len(per_replica) != 1:
+        parser.error("--scale runs must send the same requests a replica")
+    return write_results(
+        args.out,
+        f"bench_serve_scale_{args.name}",
+        f"Serving: {args.name}, scale-out over engine replicas",
+        "each run's HTTP tok/s against N times the one-replica run's, same requests a replica, "
+        "runs one after the other on one machine",
+        SCALE_COLUMNS,
+        scale_rows(runs),
+        {
+            "measured_on": sorted({r["device"] for r in runs}),
+            "runs": [{k: r.get(k) for k in ("command", "commit", "date")} for r in runs],
+        },
+    )
+
+
+def _requests_a_replica(run: dict[str, Any]) -> float:
+    return run["workload"]["requests"] / run["replicas"]
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pair", action="append", required=True, help="BASELINE:VARIANT")
+    parser.add_argument("--pair", action="append", help="BASELINE:VARIANT")
+    parser.add_argument("--scale", help="ONE.json,TWO.json,...: the one-replica run first")
     parser.add_argument("--name", required=True)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if (args.pair is None) == (args.scale is None):
+        parser.error("give --pair (one or more) or --scale")
+    if args.scale is not None:
+        return scale(parser, args)
     rows: list[dict] = []
     pairs = []
     devices = set()
