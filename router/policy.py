@@ -151,7 +151,8 @@ class AffinityPolicy:
        placement order among themselves.
     4. `a`'s home is the first k non-overloaded replicas of the placement order: one tier,
        balanced by queue length. k is the larger of ceil(outstanding(a) / spread_threshold),
-       which follows bursts, and ceil(n × share(a) / spread_share), share(a) being `a`'s share
+       which follows bursts (outstanding counts the requests being placed too, and both are
+       this policy's own), and ceil(n × share(a) / spread_share), share(a) being `a`'s share
        of the requests this policy routed recently: an adapter carrying more than
        `spread_share` of one replica's fair share of the traffic is spread before its home
        piles up, even at light load where outstanding requests are too few to show it. As
@@ -202,8 +203,11 @@ class AffinityPolicy:
             mean plus `load_slack`) is demoted behind every replica that does not; also sets
             how much busier a cold adapter's first hash choice may be than its second.
         spread_threshold: outstanding requests of one adapter per replica of its home; None
-            adapts it to the fleet's mean load per replica (at least `min_spread_threshold`),
-            so an adapter gets one replica per replica's worth of demand.
+            adapts it to this policy's own adapter requests in flight per replica (at least
+            `min_spread_threshold`), so an adapter gets one replica per replica's worth of
+            demand. Its own, not the fleet's mean load: each ingress routes only part of the
+            traffic, and `outstanding(a)` is that part (4 ingresses and 2 replicas: a router's
+            256 requests of one adapter, against the fleet's mean of 512, never spread it).
         load_slack: additive room, in requests, before a replica counts as overloaded; it stops
             mattering once the mean load exceeds load_slack / (imbalance_bound - 1) (32 requests
             with the defaults). At light load a few more requests on one replica cost far less
@@ -262,6 +266,11 @@ class AffinityPolicy:
         # adapter. The replica's stats arrive every period; this fills the gap.
         self._outstanding: dict[tuple[str, str], int] = defaultdict(int)
         self._demand: dict[str, int] = defaultdict(int)
+        self._in_flight = 0  # the sum of _demand: this policy's adapter requests in flight
+        # Requests ranked and not yet routed (Serve reports a placement only once the replica
+        # took it): in a burst, most of this policy's requests for an adapter are here.
+        self._placing: dict[str, int] = defaultdict(int)
+        self._placing_total = 0
         # Routed requests per adapter, exponentially decayed per routed request. Rather than
         # decaying every entry, each request adds a weight that grows by `_growth`; entries are
         # rescaled (and the faded ones dropped) before the weight gets large.
@@ -294,6 +303,7 @@ class AffinityPolicy:
                 self._miss_share += (1.0 - self._miss_decay) * (miss - self._miss_share)
         self._outstanding[adapter, replica_id] += 1
         self._demand[adapter] += 1
+        self._in_flight += 1
         self._weight *= self._growth
         self._recent[adapter] += self._weight
         self._recent_total += self._weight
@@ -319,6 +329,7 @@ class AffinityPolicy:
         if self._outstanding[key] == 0:
             del self._outstanding[key]
         self._demand[adapter] -= 1
+        self._in_flight -= 1
         if self._demand[adapter] == 0:
             del self._demand[adapter]
 
@@ -338,6 +349,25 @@ class AffinityPolicy:
     def demand(self, adapter: str) -> int:
         """Outstanding requests for `adapter` that this policy routed."""
         return self._demand.get(adapter, 0)
+
+    def on_placing(self, adapter: str | None) -> None:
+        """A request for `adapter` was ranked and is on its way to a replica: it counts in the
+        adapter's demand until `on_placed` (routed, or ended without a replica)."""
+        if adapter is None:
+            return
+        self._placing[adapter] += 1
+        self._placing_total += 1
+
+    def on_placed(self, adapter: str | None) -> None:
+        if adapter is None or self._placing.get(adapter, 0) <= 0:
+            return
+        self._placing[adapter] -= 1
+        self._placing_total -= 1
+        if self._placing[adapter] == 0:
+            del self._placing[adapter]
+
+    def placing(self, adapter: str) -> int:
+        return self._placing.get(adapter, 0)
 
     def share(self, adapter: str) -> float:
         """`adapter`'s share of the requests this policy routed recently (decayed with
@@ -363,13 +393,17 @@ class AffinityPolicy:
             return Tier.HOST if adapter in view.host else Tier.FREE_SLOT
         return Tier.HOST_EVICT if adapter in view.host else Tier.EVICT
 
-    def num_home(self, adapter: str, mean_load: float, n: int) -> int:
+    def num_home(self, adapter: str, n: int) -> int:
         """How many replicas `adapter`'s demand (counting the request being routed) and its
         recent share of the traffic need."""
         threshold = self.spread_threshold
         if threshold is None:
-            threshold = max(self.min_spread_threshold, mean_load)
-        k = math.ceil((self.demand(adapter) + 1) / threshold)
+            # One replica per replica's worth of this policy's own requests in flight: its
+            # demand for `a` is its own part of the fleet's (each ingress routes some of the
+            # traffic), so it is measured against its own part of the load, not the fleet's.
+            in_flight = self._in_flight + self._placing_total
+            threshold = max(self.min_spread_threshold, in_flight / n)
+        k = math.ceil((self.demand(adapter) + self.placing(adapter) + 1) / threshold)
         spread_share = self.spread_share
         if self.uncontended_spread_share is not None and not self.contended:
             spread_share = self.uncontended_spread_share
@@ -410,7 +444,7 @@ class AffinityPolicy:
         over = [rid for rid in placement if loads[rid] + 1 > bound]
         if not fit:
             return [[rid] for rid in over]
-        k = self.num_home(adapter, mean, n)
+        k = self.num_home(adapter, n)
         if k == 1 and tier[fit[0]] >= Tier.HOST:
             home = [self._cold_home(fit, tier, loads, mean)]
         else:

@@ -6,7 +6,8 @@ in Ray Serve's `RequestRouter`, and the fleet simulator (`sim/`) drives the same
 from __future__ import annotations
 
 import logging
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -73,6 +74,7 @@ def stats_queue_len(stats: Any) -> int | None:
     return None
 
 
+PLACING_S = 30.0  # a request ranked this long ago and not yet routed stops counting as demand
 IN_TRANSIT_S = 5.0  # a send still unanswered after this is forgotten (see `InTransit`)
 
 
@@ -151,12 +153,18 @@ class AffinityRouting:
         *,
         hints: HintTarget | None = None,
         default_num_slots: int = DEFAULT_NUM_SLOTS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy
         self.hints = hints
         self.default_num_slots = default_num_slots
+        self.clock = clock
         self._routed: dict[str, _Routed] = {}  # internal request id -> placement
         self._tokens: dict[str, int] = {}  # replica id -> tokens of our requests in flight
+        # Requests ranked and not yet routed, oldest first: request id -> (adapter, when). Serve
+        # reports a placement once the replica took the request, after the whole of a burst
+        # may have been ranked; until then they count in their adapter's demand (`on_placing`).
+        self._placing: OrderedDict[str, tuple[str | None, float]] = OrderedDict()
 
     def views(
         self,
@@ -182,11 +190,43 @@ class AffinityRouting:
         adapter: str | None,
         replicas: Sequence[Any],
         queue_len: Callable[[Any], int | None] = lambda _: None,
+        request_id: str | None = None,
     ) -> list[list[Any]]:
         """The policy's tiers as lists of `replicas`, best first. Never empty when `replicas`
-        is not: a policy answer that names none of them falls back to one tier of all."""
+        is not: a policy answer that names none of them falls back to one tier of all.
+        `request_id` (the request's internal id) makes it count in its adapter's demand from
+        now until it is routed or finished, ranked again or not."""
         if not replicas:
             return []
+        try:
+            return self._rank(adapter, replicas, queue_len)
+        finally:
+            self._placing_started(request_id, adapter)
+
+    def _placing_started(self, request_id: str | None, adapter: str | None) -> None:
+        now = self.clock()
+        while self._placing:  # one that waited this long is no burst: it stops counting
+            oldest, (old_adapter, since) = next(iter(self._placing.items()))
+            if now - since <= PLACING_S:
+                break
+            del self._placing[oldest]
+            self.policy.on_placed(old_adapter)
+        if request_id is None or request_id in self._placing or request_id in self._routed:
+            return
+        self._placing[request_id] = (adapter, now)
+        self.policy.on_placing(adapter)
+
+    def _placing_ended(self, request_id: str) -> None:
+        placing = self._placing.pop(request_id, None)
+        if placing is not None:
+            self.policy.on_placed(placing[0])
+
+    def _rank(
+        self,
+        adapter: str | None,
+        replicas: Sequence[Any],
+        queue_len: Callable[[Any], int | None],
+    ) -> list[list[Any]]:
         views = self.views(replicas, queue_len)
         by_id = {view.replica_id: replica for view, replica in zip(views, replicas, strict=True)}
         tiers: list[list[Any]] = []
@@ -219,6 +259,7 @@ class AffinityRouting:
             logger.debug("sending a prefetch hint failed", exc_info=True)
 
     def routed(self, request_id: str, adapter: str | None, replica_id: str, tokens: int) -> None:
+        self._placing_ended(request_id)
         if request_id in self._routed:  # routed again after a rejection: the old one is over
             self.finished(request_id, self._routed[request_id].replica_id)
         self._routed[request_id] = _Routed(adapter, replica_id, tokens)
@@ -227,6 +268,7 @@ class AffinityRouting:
 
     def finished(self, request_id: str, replica_id: str) -> None:
         """Idempotent; ignores completions of attempts that were never routed (rejections)."""
+        self._placing_ended(request_id)
         routed = self._routed.get(request_id)
         if routed is None or routed.replica_id != replica_id:
             return

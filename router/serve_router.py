@@ -154,12 +154,13 @@ class AffinityRequestRouter(RequestRouter):
         tiers = pinned(candidate_replicas, pending_request)
         if tiers is not None:
             return tiers
-        adapter = None
+        adapter = request_id = None
         if pending_request is not None:
             adapter = pending_request.metadata.multiplexed_model_id or None
+            request_id = pending_request.metadata.internal_request_id
             # Back off between rounds when no tier had room (Serve retries at once otherwise).
             pending_request.routing_context.should_backoff = True
-        return self.routing.rank(adapter, candidate_replicas, self._cached_queue_len)
+        return self.routing.rank(adapter, candidate_replicas, self._cached_queue_len, request_id)
 
     def _cached_queue_len(self, replica: RunningReplica) -> int | None:
         return self._replica_queue_len_cache.get(replica.replica_id)

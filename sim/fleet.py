@@ -188,6 +188,7 @@ class Fleet:
                 hints,
                 num_slots=c.replica.max_loras_per_batch,
                 policy_kwargs=dict(c.policy_kwargs),
+                clock=self.loop.now,
             )
         return Router(f"router-{index}", self.loop, self, choice, c.serve, rng, self.controller)
 

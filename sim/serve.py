@@ -603,10 +603,14 @@ class AffinityChoice:
         *,
         num_slots: int = DEFAULT_NUM_SLOTS,
         policy_kwargs: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.hints = hints
         self.routing = AffinityRouting(
-            AffinityPolicy(**dict(policy_kwargs or {})), hints=hints, default_num_slots=num_slots
+            AffinityPolicy(**dict(policy_kwargs or {})),
+            hints=hints,
+            default_num_slots=num_slots,
+            **({"clock": clock} if clock is not None else {}),
         )
         self._running: list[_Running] = []
 
@@ -618,7 +622,7 @@ class AffinityChoice:
         cached: Callable[[_Running], int | None] = lambda r: router.cached_queue_len(
             r.replica_id.unique_id
         )
-        tiers = self.routing.rank(request.adapter, self._running, cached)
+        tiers = self.routing.rank(request.adapter, self._running, cached, request.rid)
         return [[r.replica_id.unique_id for r in tier] for tier in tiers]
 
     def routed(self, request: SimRequest, replica_id: str) -> None:

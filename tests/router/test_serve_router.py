@@ -14,7 +14,7 @@ from replicas.protocol import GenerateRequest
 from replicas.request import SamplingParams
 from router.hints import HintBoard, HintDebouncer, HintSender, follow_hints
 from router.policy import AffinityPolicy, ReplicaView
-from router.routing import IN_TRANSIT_S
+from router.routing import IN_TRANSIT_S, PLACING_S
 from router.serve_router import (
     AffinityRequestRouter,
     AffinityRouting,
@@ -250,6 +250,48 @@ class TestAccounting:
         routing.routed("q1", None, "r1", 30)
         [view] = routing.views([FakeReplica("r1", stats())])
         assert view.tokens_in_flight == 30
+
+
+class TestPlacing:
+    """Requests ranked and not yet routed count in their adapter's demand (`on_placing`)."""
+
+    def test_a_ranked_request_counts_once_until_it_is_routed_or_finished(self):
+        routing = AffinityRouting(AffinityPolicy(), clock=Clock())
+        replicas = [FakeReplica("r0", stats(gpu=["a"])), FakeReplica("r1", stats(gpu=["a"]))]
+        for i in range(5):
+            routing.rank("a", replicas, request_id=f"q{i}")
+        routing.rank("a", replicas, request_id="q0")  # ranked again: a retry, not a request
+        routing.rank("a", replicas)  # no id: not counted
+        assert routing.policy.placing("a") == 5
+        routing.routed("q0", "a", "r0", tokens=8)
+        assert routing.policy.placing("a") == 4 and routing.policy.demand("a") == 1
+        routing.finished("q1", "r1")  # ended without a replica (rejected, failed)
+        assert routing.policy.placing("a") == 3
+        routing.rank("a", replicas, request_id="q0")  # routed already: not placing again
+        assert routing.policy.placing("a") == 3
+
+    def test_one_ranked_long_ago_stops_counting(self):
+        clock = Clock()
+        routing = AffinityRouting(AffinityPolicy(), clock=clock)
+        replicas = [FakeReplica("r0", stats())]
+        routing.rank("a", replicas, request_id="old")
+        clock.now += PLACING_S + 1
+        routing.rank("b", replicas, request_id="new")
+        assert routing.policy.placing("a") == 0 and routing.policy.placing("b") == 1
+        routing.routed("old", "a", "r0", tokens=8)  # its report comes after all
+        assert routing.policy.placing("a") == 0 and routing.policy.demand("a") == 1
+
+    async def test_the_serve_router_hands_over_the_request_id(self):
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        router = AffinityRequestRouter(
+            deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
+            handle_source=DeploymentHandleSource.UNKNOWN,
+        )
+        router.initialize_state(prefetch_hints=False)
+        replicas = [FakeReplica("r0", stats(gpu=["a"]))]
+        await router.choose_replicas(replicas, TestRequestRouter().pending("a", "q7"))
+        assert router.routing.policy.placing("a") == 1
 
 
 class TestHints:
