@@ -123,6 +123,67 @@ class InTransit:
             del self._sent[replica]
 
 
+ANSWER_FRESH_S = 1.0  # a cached length backed by an answer this recent outlives a stats push
+
+
+class QueueLengthFeed:
+    """What the affinity router adds to Serve's cached queue lengths, apart from Ray (the Serve
+    router and the simulator's feed it the same calls):
+
+    - `answered`: a replica's answer to one of our sends, plus our sends still on their way
+      there (`InTransit`);
+    - `reported`: a routing-stats push. The cache's length for a replica counts every router's
+      requests as of its last answer, and only this router's completions take any off again,
+      so once we stop sending there it keeps what the others have finished since: a stale
+      offset, different for each replica, that the next burst is balanced against. A changed
+      report replaces a length no answer has backed for `answer_fresh_s` (or a missing one,
+      as for a replica whose probes miss Serve's deadline) with the engine's running and
+      waiting requests, plus ours on the way.
+    """
+
+    def __init__(self, answer_fresh_s: float = ANSWER_FRESH_S) -> None:
+        self.answer_fresh_s = answer_fresh_s
+        self.in_transit = InTransit()
+        self._answered_at: dict[Any, float] = {}
+        self._last_stats: dict[Any, Any] = {}
+
+    def sent(self, replica: Any, now: float) -> None:
+        self.in_transit.sent(replica, now)
+
+    def answered(self, replica: Any, count: int, now: float) -> int:
+        """The length to cache for a replica that answered a send with `count`."""
+        self._answered_at[replica] = now
+        return count + self.in_transit.answered(replica, now)
+
+    def reported(self, replica: Any, stats: Any, cached: int | None, now: float) -> int | None:
+        """The length to cache after a routing-stats push (`cached`: the cache's now), or None
+        to leave it. Only a report that changed is known to be new: the controller resends
+        every replica's last one when any of them changes."""
+        count = stats_queue_len(stats)
+        if count is None:
+            return None
+        last = self._last_stats.get(replica)
+        self._last_stats[replica] = stats
+        if stats == last:
+            return None
+        answered = self._answered_at.get(replica)
+        if cached is not None and answered is not None and now - answered <= self.answer_fresh_s:
+            return None
+        return count + self.in_transit.pending(replica, now)
+
+    def forget(self, replica: Any) -> None:
+        """The replica failed a call: no answer is coming for what we sent."""
+        self.in_transit.forget(replica)
+        self._answered_at.pop(replica, None)
+
+    def keep_only(self, replicas: Iterable[Any]) -> None:
+        keep = set(replicas)
+        self.in_transit.keep_only(keep)
+        for table in (self._answered_at, self._last_stats):
+            for replica in [r for r in table if r not in keep]:
+                del table[replica]
+
+
 def _names(value: Any) -> frozenset[str]:
     if isinstance(value, (list, tuple, set, frozenset)):
         return frozenset(v for v in value if isinstance(v, str))

@@ -25,8 +25,10 @@ busy event loop, a host short of CPU) would get no request at all while the othe
 So each routing-stats update the controller pushes (`update_replicas`) also fills in the cached
 length of a replica that has none, from the engine's running and waiting counts it reported:
 the controller's poll just reached that replica, and the first request sent there brings back
-its exact count. A replica's answer to a send is its count of requests it took, to which the
-router adds its own sends still on the way there (`router.routing.InTransit`).
+its exact count. The same push replaces a cached length no recent answer backs (stale once
+this router stops sending there), and a replica's answer to a send is its count of requests it
+took, to which the router adds its own sends still on the way there
+(`router.routing.QueueLengthFeed`, which the fleet simulator's router uses too).
 
 No `FIFOMixin`: it hands a replica found for one request to the oldest pending request (or one
 for the same adapter), while affinity placement is per request; the base router's exact match
@@ -55,10 +57,9 @@ from router.policy import AffinityPolicy
 from router.routing import (
     DEFAULT_NUM_SLOTS,
     AffinityRouting,
-    InTransit,
+    QueueLengthFeed,
     replica_view,
     reported_stats,
-    stats_queue_len,
 )
 
 __all__ = [
@@ -143,8 +144,7 @@ class AffinityRequestRouter(RequestRouter):
         self.routing = AffinityRouting(
             AffinityPolicy(**policy_kwargs), hints=hints, default_num_slots=num_slots
         )
-        self._last_stats: dict[ReplicaID, Any] = {}  # each replica's last routing stats
-        self._in_transit = InTransit()
+        self._feed = QueueLengthFeed()
 
     async def choose_replicas(
         self,
@@ -167,39 +167,36 @@ class AffinityRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._in_transit.keep_only(r.replica_id for r in replicas)
-        last, self._last_stats = self._last_stats, {}
+        self._feed.keep_only(r.replica_id for r in replicas)
+        now = self._get_curr_time_s()
         for replica in replicas:
-            stats = reported_stats(replica)
-            queue_len = stats_queue_len(stats)
-            if queue_len is None:
-                continue
-            self._last_stats[replica.replica_id] = stats
-            # Only a report that changed is known to be new: the controller resends every
-            # replica's last one when any of them changes.
-            if stats != last.get(replica.replica_id) and self._cached_queue_len(replica) is None:
-                now = self._get_curr_time_s()
-                in_transit = self._in_transit.pending(replica.replica_id, now)
-                super().on_new_queue_len_info(replica.replica_id, queue_len + in_transit)
+            cached = self._cached_queue_len(replica)
+            queue_len = self._feed.reported(
+                replica.replica_id, reported_stats(replica), cached, now
+            )
+            if queue_len is not None:
+                super().on_new_queue_len_info(replica.replica_id, queue_len)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
         if self._use_replica_queue_len_cache:
-            self._in_transit.sent(replica_id, self._get_curr_time_s())
+            self._feed.sent(replica_id, self._get_curr_time_s())
 
     def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
         """A replica's answer to one of our sends: its count, plus what we still have on the
-        way to it (`router.routing.InTransit`)."""
-        in_transit = self._in_transit.answered(replica_id, self._get_curr_time_s())
-        super().on_new_queue_len_info(replica_id, num_ongoing_requests + in_transit)
+        way to it (`router.routing.QueueLengthFeed`)."""
+        now = self._get_curr_time_s()
+        super().on_new_queue_len_info(
+            replica_id, self._feed.answered(replica_id, num_ongoing_requests, now)
+        )
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._in_transit.forget(replica_id)
+        self._feed.forget(replica_id)
 
     def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_unavailable(replica_id)
-        self._in_transit.forget(replica_id)
+        self._feed.forget(replica_id)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from replicas.request import Request, RequestStatus
+from router.routing import QueueLengthFeed
 from sim.calibration import DEFAULT, Calibration
 from sim.events import EventLoop
 from sim.replica import ReplicaConfig, SimReplica, make_request
@@ -190,7 +191,10 @@ class Fleet:
                 policy_kwargs=dict(c.policy_kwargs),
                 clock=self.loop.now,
             )
-        return Router(f"router-{index}", self.loop, self, choice, c.serve, rng, self.controller)
+        feed = None if c.router == "pow2" else QueueLengthFeed()
+        return Router(
+            f"router-{index}", self.loop, self, choice, c.serve, rng, self.controller, feed
+        )
 
     def _add_replica(self) -> str:
         index = len(self.replicas) + len(self._retired)

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 from router.hints import HINT_INTERVAL_S, HintDebouncer
 from router.policy import AffinityPolicy
-from router.routing import DEFAULT_NUM_SLOTS, AffinityRouting
+from router.routing import DEFAULT_NUM_SLOTS, AffinityRouting, QueueLengthFeed
 from sim.events import EventLoop, Process, Task
 
 
@@ -205,9 +205,13 @@ class Router:
         config: ServeConfig,
         rng: random.Random,
         controller: Controller | None = None,
+        feed: QueueLengthFeed | None = None,
     ) -> None:
         """`controller`: connected on the first request (the handle's start); None: the
-        caller feeds `update_replicas` itself."""
+        caller feeds `update_replicas` itself. `feed`: the affinity router's additions to the
+        queue-length cache (`router.serve_router.AffinityRequestRouter` overrides Serve's
+        hooks with it); None: Serve's own cache, as Ray's default router has it."""
+        self.feed = feed
         self.name = name
         self.controller = controller
         self.started = controller is None
@@ -233,6 +237,13 @@ class Router:
         self.replicas = new
         self._cache = {rid: e for rid, e in self._cache.items() if rid in new}
         self.choice.update(self.replicas)
+        if self.feed is not None:
+            self.feed.keep_only(new)
+            for rid, info in new.items():
+                cached = self.cached_queue_len(rid)
+                queue_len = self.feed.reported(rid, info.routing_stats, cached, self.loop.now())
+                if queue_len is not None:
+                    self._cache_set(rid, queue_len)
         if added:
             self.loop.after(2 * self.config.rpc_s, self._probed, added)
         self._maybe_start_tasks()
@@ -252,6 +263,8 @@ class Router:
         if self.replicas.pop(replica_id, None) is not None:
             self._cache.pop(replica_id, None)
             self.choice.update(self.replicas)
+        if self.feed is not None:
+            self.feed.forget(replica_id)
 
     def _probed(self, replica_ids: list[str]) -> list[tuple[str, int]]:
         """`_probe_queue_lens`, answered: update the cache; dead replicas are dropped."""
@@ -290,6 +303,8 @@ class Router:
         """The replica's rejection-protocol answer: the cache takes its queue length; accepted,
         the router hears `on_request_routed`; rejected, the request is routed again."""
         if replica_id in self.replicas:
+            if self.feed is not None:
+                queue_len = self.feed.answered(replica_id, queue_len, self.loop.now())
             self._cache_set(replica_id, queue_len)
         if accepted:
             self.choice.routed(request, replica_id)
@@ -444,6 +459,8 @@ class Router:
         request.attempts += 1
         request.replica_id = replica_id
         self._cache_set(replica_id, (self.cached_queue_len(replica_id) or 0) + 1)
+        if self.feed is not None:
+            self.feed.sent(replica_id, self.loop.now())
         self.loop.after(self.config.rpc_s, self.endpoint.deliver, request, replica_id, self)
 
 

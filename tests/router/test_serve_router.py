@@ -14,7 +14,7 @@ from replicas.protocol import GenerateRequest
 from replicas.request import SamplingParams
 from router.hints import HintBoard, HintDebouncer, HintSender, follow_hints
 from router.policy import AffinityPolicy, ReplicaView
-from router.routing import IN_TRANSIT_S, PLACING_S
+from router.routing import ANSWER_FRESH_S, IN_TRANSIT_S, PLACING_S
 from router.serve_router import (
     AffinityRequestRouter,
     AffinityRouting,
@@ -599,6 +599,35 @@ class TestRequestRouter:
         router.on_replica_actor_unavailable(rid)  # the call failed: no answer will come
         router.on_new_queue_len_info(rid, 2)
         assert router._replica_queue_len_cache.get(rid) == 2
+
+    async def test_a_length_no_recent_answer_backs_gives_way_to_the_replicas_report(self):
+        """Once this router stops sending to a replica, its cached length keeps what the other
+        routers' requests added and they have finished since: the next report replaces it."""
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        clock = Clock()
+        router = AffinityRequestRouter(
+            deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
+            handle_source=DeploymentHandleSource.UNKNOWN,
+            use_replica_queue_len_cache=True,
+            get_curr_time_s=clock,
+        )
+        router.initialize_state(prefetch_hints=False)
+        replica = ProbedReplica("r0", stats(running=2), answer=None)
+        router.on_send_request(replica.replica_id)
+        router.on_new_queue_len_info(replica.replica_id, 300)  # every router's requests
+        clock.now += ANSWER_FRESH_S / 2
+        router.update_replicas([replica])
+        assert router._replica_queue_len_cache.get(replica.replica_id) == 300  # still backed
+        clock.now += ANSWER_FRESH_S
+        replica.routing_stats = stats(running=3)
+        router.update_replicas([replica])
+        assert router._replica_queue_len_cache.get(replica.replica_id) == 3
+        router.on_send_request(replica.replica_id)  # on its way: counted with the next report
+        clock.now += ANSWER_FRESH_S
+        replica.routing_stats = stats(running=1)
+        router.update_replicas([replica])
+        assert router._replica_queue_len_cache.get(replica.replica_id) == 2
 
     async def test_a_burst_is_not_drawn_to_the_replica_slowest_to_answer(self, cached_router):
         """Replica `slow` takes one request for every three this router sends anywhere, and

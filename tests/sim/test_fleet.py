@@ -99,7 +99,9 @@ class TestHotAdapter:
     def test_stops_spreading_when_its_load_falls_back_and_slots_are_needed(self, contended):
         assert contended.routers[0].choice.routing.policy.contended
         hot = served(contended, 45, 60, "hot")
-        assert len(hot) == 1, hot
+        # Its home takes it again; the copy only what an overloaded home overflows (one
+        # request of 22 here, against 124 of 263 while it was spread).
+        assert sum(hot.values()) - max(hot.values()) <= 0.1 * sum(hot.values()), hot
 
     def test_keeps_using_both_copies_while_slots_are_not_needed(self, uncontended):
         # Every adapter fits: the copy costs nothing, and both replicas take the hot adapter's
@@ -200,7 +202,9 @@ def test_a_burst_of_one_adapter_after_a_mixed_one_is_spread():
     then one of a single adapter, all at once, 2 replicas and the 4 routers of 4 ingresses.
     Each router ranks its whole burst before the first placement is reported; counting only
     reported placements, the single adapter stayed on one replica for most of it (760
-    against 264 requests, imbalance 1.48)."""
+    against 264 requests, imbalance 1.48). Counting the requests being placed, 400/624: each
+    router then balanced against cached lengths that still held what the first burst left
+    (`QueueLengthFeed.reported` replaces them)."""
     rng = random.Random(0)
     names = [f"ad{i}" for i in range(32)]
     warm = [Arrival(0.0, names[i % 32], rng.randint(128, 512), 8) for i in range(256)]
@@ -214,4 +218,4 @@ def test_a_burst_of_one_adapter_after_a_mixed_one_is_spread():
     h200 = calibration()  # the engine's own step times: the test's slow device queues far more
     result = Fleet(config, Workload(tuple(warm + mixed), single), h200).run()
     assert result.completed == result.sent == 1024
-    assert result.imbalance <= 1.3
+    assert result.imbalance <= 1.1
