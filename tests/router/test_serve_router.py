@@ -449,6 +449,21 @@ class TestHintBoard:
         assert len(gets) == 2
 
 
+def make_cached_router(clock=None) -> AffinityRequestRouter:
+    """As Serve builds it for a deployment with `max_ongoing_requests` (strict): with its
+    queue-length cache; `clock` is its time."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    router = AffinityRequestRouter(
+        deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+        get_curr_time_s=clock,
+    )
+    router.initialize_state(prefetch_hints=False)
+    return router
+
+
 class TestRequestRouter:
     """The real `RequestRouter` subclass, through the hooks Serve calls."""
 
@@ -516,17 +531,7 @@ class TestRequestRouter:
 
     @pytest.fixture
     def cached_router(self):
-        """As Serve builds it for a deployment with `max_ongoing_requests` (strict): with its
-        queue-length cache."""
-        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-
-        router = AffinityRequestRouter(
-            deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
-            handle_source=DeploymentHandleSource.UNKNOWN,
-            use_replica_queue_len_cache=True,
-        )
-        router.initialize_state(prefetch_hints=False)
-        return router
+        return make_cached_router()
 
     async def test_a_replica_that_misses_every_probe_is_chosen_from_its_stats(self, cached_router):
         router = cached_router
@@ -579,16 +584,8 @@ class TestRequestRouter:
         assert router._replica_queue_len_cache.get(rid) == 1
 
     def test_a_send_never_answered_is_forgotten(self):
-        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-
         clock = Clock()
-        router = AffinityRequestRouter(
-            deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
-            handle_source=DeploymentHandleSource.UNKNOWN,
-            use_replica_queue_len_cache=True,
-            get_curr_time_s=clock,
-        )
-        router.initialize_state(prefetch_hints=False)
+        router = make_cached_router(clock)
         rid = FakeId("r0")
         router.on_send_request(rid)  # a broadcast: Serve never hands us its answer
         clock.now += IN_TRANSIT_S + 1
@@ -603,16 +600,8 @@ class TestRequestRouter:
     async def test_a_length_no_recent_answer_backs_gives_way_to_the_replicas_report(self):
         """Once this router stops sending to a replica, its cached length keeps what the other
         routers' requests added and they have finished since: the next report replaces it."""
-        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-
         clock = Clock()
-        router = AffinityRequestRouter(
-            deployment_id=DeploymentID(name="EngineDeployment", app_name="app"),
-            handle_source=DeploymentHandleSource.UNKNOWN,
-            use_replica_queue_len_cache=True,
-            get_curr_time_s=clock,
-        )
-        router.initialize_state(prefetch_hints=False)
+        router = make_cached_router(clock)
         replica = ProbedReplica("r0", stats(running=2), answer=None)
         router.on_send_request(replica.replica_id)
         router.on_new_queue_len_info(replica.replica_id, 300)  # every router's requests
