@@ -28,7 +28,7 @@ the controller's poll just reached that replica, and the first request sent ther
 its exact count. The same push replaces a cached length no recent answer backs (stale once
 this router stops sending there), and a replica's answer to a send is its count of requests it
 took, to which the router adds its own sends still on the way there
-(`router.routing.QueueLengthFeed`, which the fleet simulator's router uses too).
+(`router.queue_lengths.QueueLengthFeed`, which the fleet simulator's router uses too).
 
 No `FIFOMixin`: it hands a replica found for one request to the oldest pending request (or one
 for the same adapter), while affinity placement is per request; the base router's exact match
@@ -54,13 +54,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from router.hints import HINT_INTERVAL_S, HintSender, board_name, lookup_board
 from router.policy import AffinityPolicy
-from router.routing import (
-    DEFAULT_NUM_SLOTS,
-    AffinityRouting,
-    QueueLengthFeed,
-    replica_view,
-    reported_stats,
-)
+from router.queue_lengths import QueueLengthFeed
+from router.routing import DEFAULT_NUM_SLOTS, AffinityRouting, replica_view, reported_stats
 
 __all__ = [
     "AffinityRequestRouter",
@@ -184,7 +179,7 @@ class AffinityRequestRouter(RequestRouter):
 
     def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
         """A replica's answer to one of our sends: its count, plus what we still have on the
-        way to it (`router.routing.QueueLengthFeed`)."""
+        way to it (`router.queue_lengths.QueueLengthFeed`)."""
         now = self._get_curr_time_s()
         super().on_new_queue_len_info(
             replica_id, self._feed.answered(replica_id, num_ongoing_requests, now)

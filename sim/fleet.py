@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from replicas.request import Request, RequestStatus
-from router.routing import QueueLengthFeed
+from router.queue_lengths import QueueLengthFeed
 from sim.calibration import DEFAULT, Calibration
 from sim.events import EventLoop
 from sim.replica import ReplicaConfig, SimReplica, make_request

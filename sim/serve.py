@@ -44,7 +44,8 @@ from typing import Any, Protocol
 
 from router.hints import HINT_INTERVAL_S, HintDebouncer
 from router.policy import AffinityPolicy
-from router.routing import DEFAULT_NUM_SLOTS, AffinityRouting, QueueLengthFeed
+from router.queue_lengths import QueueLengthFeed
+from router.routing import DEFAULT_NUM_SLOTS, AffinityRouting
 from sim.events import EventLoop, Process, Task
 
 

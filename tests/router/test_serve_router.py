@@ -14,7 +14,8 @@ from replicas.protocol import GenerateRequest
 from replicas.request import SamplingParams
 from router.hints import HintBoard, HintDebouncer, HintSender, follow_hints
 from router.policy import AffinityPolicy, ReplicaView
-from router.routing import ANSWER_FRESH_S, IN_TRANSIT_S, PLACING_S
+from router.queue_lengths import ANSWER_FRESH_S, IN_TRANSIT_S
+from router.routing import PLACING_S
 from router.serve_router import (
     AffinityRequestRouter,
     AffinityRouting,
