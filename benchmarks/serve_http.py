@@ -60,12 +60,15 @@ async def http_run(
     threads_before = read_threads(processes)
     # The load generator: this process (with Ray's driver) and its worker processes, if any.
     workers = client.worker_pids() if isinstance(client, ShardedClient) else []
-    client_before = time.process_time() + sum(cpu_seconds(pid) or 0.0 for pid in workers)
+
+    def client_cpu() -> float:
+        return time.process_time() + sum(cpu_seconds(pid) or 0.0 for pid in workers)
+
+    client_before = client_cpu()
     result = await run_benchmark(
         client, stream.specs, [stream.load], warmup=0, progress=sys.stderr.isatty()
     )
-    client_after = time.process_time() + sum(cpu_seconds(pid) or 0.0 for pid in workers)
-    client_cpu_s = client_after - client_before
+    client_cpu_s = client_cpu() - client_before
     report = result.runs[0]
     cpu_after = read_all(processes)
     threads_after = read_threads(processes)
@@ -195,7 +198,7 @@ def deploy_and_measure(
     async def measure_then_shut_down() -> HttpPhase:
         try:
             return await http_phase(url, wl, work, warm, args.run_timeout, args.profile,
-                                    args.profile_stream, getattr(args, "clients", 1))  # fmt: skip
+                                    args.profile_stream, args.clients)  # fmt: skip
         finally:
             # On the loop the handles ran on: with Serve's router on the caller's loop
             # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1), a shutdown after that loop closed fails.

@@ -152,10 +152,9 @@ class AffinityRouting:
         now until it is routed or finished, ranked again or not."""
         if not replicas:
             return []
-        try:
-            return self._rank(adapter, replicas, queue_len)
-        finally:
-            self._placing_started(request_id, adapter)
+        tiers = self._rank(adapter, replicas, queue_len)
+        self._placing_started(request_id, adapter)  # after: its own rank counts it as the +1
+        return tiers
 
     def _placing_started(self, request_id: str | None, adapter: str | None) -> None:
         now = self.clock()

@@ -621,14 +621,15 @@ class AffinityChoice:
         *,
         num_slots: int = DEFAULT_NUM_SLOTS,
         policy_kwargs: Mapping[str, Any] | None = None,
-        clock: Callable[[], float] | None = None,
+        clock: Callable[[], float],
     ) -> None:
+        """`clock`: the simulation's (`EventLoop.now`), for how long a request has been placing."""
         self.hints = hints
         self.routing = AffinityRouting(
             AffinityPolicy(**dict(policy_kwargs or {})),
             hints=hints,
             default_num_slots=num_slots,
-            **({"clock": clock} if clock is not None else {}),
+            clock=clock,
         )
         self._running: list[_Running] = []
 
