@@ -303,3 +303,15 @@ class TestReport:
             path = save(args, args.spec, rows, {"ratios": [], "goodput": goodput})
             assert f"## Goodput sweep: {said} (TTFT P99 <= 1000 ms" in path.read_text()
             assert json.loads(path.with_suffix(".json").read_text())["goodput"] == goodput
+
+
+class TestLoadGeneratorProcesses:
+    def test_one_an_engine_replica_by_default(self):
+        assert parse_args(["--smoke"]).clients == 1
+        assert parse_args(["--smoke", "--replicas", "4"]).clients == 4
+        assert parse_args(["--smoke", "--replicas", "4", "--clients", "2"]).clients == 2
+
+    def test_fewer_than_one_is_refused(self, capsys):
+        with pytest.raises(SystemExit):
+            parse_args(["--smoke", "--clients", "0"])
+        assert "--clients must be at least 1" in capsys.readouterr().err
