@@ -89,6 +89,7 @@ class ChaosLog:
     whole_again: dict[str, float] = field(default_factory=dict)  # what -> when fleet recovered
     orphans: int = 0  # long streams running in an engine when the ingress was killed
     orphan_abort_s: float | None = None  # ingress kill -> its requests ended in the engines
+    after: list[Outcome] = field(default_factory=list)  # one request a model once settled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +349,15 @@ async def settle(url: str, app: str, num_engines: int, timeout_s: float) -> dict
             await asyncio.sleep(0.25)
 
 
+async def requests_after(url: str, plan: ChaosPlan, log: ChaosLog) -> None:
+    """One short streamed request a model once the fleet settled: it serves every model again.
+    On a loaded machine the last kill's recovery can outlast the traffic, so these are what
+    shows it came back (`log.after`)."""
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+        for model in plan.models:
+            log.after.append(await one_request(client, model, 4, None))
+
+
 async def adapter_problems(url: str, app: str, plan: ChaosPlan) -> list[str]:
     """Where load, unload and the listings disagree, as sentences (empty: none). Every churn
     name ends unloaded and each can be loaded and unloaded again."""
@@ -402,6 +412,7 @@ async def run_chaos(url: str, app: str, plan: ChaosPlan, num_engines: int) -> di
     settled_s = time.monotonic() - traffic_end
     stop.set()
     await monitor
+    await requests_after(url, plan, log)
     problems = await adapter_problems(url, app, plan)
     return summarize(plan, log, before, settled, settled_s, problems, t0)
 
@@ -419,7 +430,7 @@ def summarize(
     kinds = Counter(o.kind for o in log.outcomes)
     recovery: dict[str, dict[str, float | None]] = {}
     for what, killed in log.kills.items():
-        later = [o.ended for o in log.outcomes if o.ok and o.started >= killed]
+        later = [o.ended for o in log.outcomes + log.after if o.ok and o.started >= killed]
         whole = log.whole_again.get(what)
         recovery[what] = {
             "killed_at_s": killed - t0,
@@ -449,9 +460,11 @@ def summarize(
         # killed, each is one the fleet lost.
         "lost": sum(v for k, v in kinds.items() if k not in ("ok", "hung_up")),
         "churn": dict(sorted(log.churn.items())),
+        # first_ok_after_s counts the requests after the traffic too (`requests_after`).
         "recovery": recovery,
         "settled": settled["settled"],
         "settle_s": settled_s,
+        "after_settle": dict(sorted(Counter(o.kind for o in log.after).items())),
         "engines_after": len(after),
         "aborted": total(after, "num_aborted") - total(before, "num_aborted"),
         "abandoned": total(after, "num_abandoned") - total(before, "num_abandoned"),

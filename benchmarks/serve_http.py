@@ -29,7 +29,7 @@ from benchmarks.serve_cpu import (
     serving_processes,
 )
 from benchmarks.serve_goodput import Goodput, Objectives, search
-from benchmarks.serve_report import Measured, fleet_figures, row, step_figures
+from benchmarks.serve_report import Measured, fleet_figures, replica_timeline, row, step_figures
 from benchmarks.serve_workloads import Stream, Workload
 from loadgen import OpenAIClient, RequestSpec, run_benchmark
 from loadgen.runner import warm_up
@@ -43,6 +43,30 @@ INGRESS_DEPLOYMENT = "Ingress"
 async def replica_stats(handle) -> dict[str, dict[str, Any]]:
     answers = await handle.broadcast("replica_stats").results_async(timeout_s=60)
     return {a["replica_id"]: a for a in answers}
+
+
+SAMPLE_EVERY_S = 0.25
+
+
+async def sample_queues(
+    handle, t0: float, stop: asyncio.Event, samples: list[tuple[float, str, int, int]]
+) -> None:
+    """Every replica's running and waiting requests every SAMPLE_EVERY_S until `stop`
+    (`replica_timeline`). A round that fails (a replica busy past the broadcast's deadline)
+    is skipped: the samples are a view of the run, not part of it."""
+    while not stop.is_set():
+        asked = time.monotonic()
+        try:
+            answers = await replica_stats(handle)
+        except Exception:  # noqa: BLE001 - a missed round, reported by its absence
+            answers = {}
+        t = (asked + time.monotonic()) / 2 - t0  # a round's answers: read between the two
+        for rid, a in answers.items():
+            samples.append((t, rid, int(a["num_running"]), int(a["num_waiting"])))
+        try:
+            await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
+        except TimeoutError:
+            pass
 
 
 async def http_run(
@@ -65,9 +89,16 @@ async def http_run(
         return time.process_time() + sum(cpu_seconds(pid) or 0.0 for pid in workers)
 
     client_before = client_cpu()
-    result = await run_benchmark(
-        client, stream.specs, [stream.load], warmup=0, progress=sys.stderr.isatty()
-    )
+    samples: list[tuple[float, str, int, int]] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_queues(handle, time.monotonic(), stop, samples))
+    try:
+        result = await run_benchmark(
+            client, stream.specs, [stream.load], warmup=0, progress=sys.stderr.isatty()
+        )
+    finally:
+        stop.set()
+        await sampler
     client_cpu_s = client_cpu() - client_before
     report = result.runs[0]
     cpu_after = read_all(processes)
@@ -88,7 +119,9 @@ async def http_run(
     )
     cpu["load_generator_cores"] = client_cpu_s / max(report.summary["duration_s"], 1e-9)
     cpu["threads_cpu_s"] = busiest_threads(processes, threads_before, threads_after)
-    return Measured(report.summary, busy, requests, cpu, step_figures(before, after))
+    return Measured(
+        report.summary, busy, requests, cpu, step_figures(before, after), replica_timeline(samples)
+    )
 
 
 PROFILE_S = 15

@@ -26,6 +26,7 @@ class Measured:
     requests_per_replica: list[int] = field(default_factory=list)
     host_cpu: dict[str, Any] | None = None  # serve_cpu.cpu_per_token, through HTTP
     steps: dict[str, float] | None = None  # step_figures
+    timeline: dict[str, Any] | None = None  # replica_timeline, through HTTP
 
 
 def fleet_figures(
@@ -43,6 +44,35 @@ def fleet_figures(
         grown = float(after[rid]["busy_s"]) - float(prior.get("busy_s", 0.0))
         busy.append(grown / duration_s if duration_s > 0 else 0.0)
     return requests, busy
+
+
+def replica_timeline(samples: list[tuple[float, str, int, int]]) -> dict[str, Any]:
+    """Each replica's queue over a stream, from `(t, replica, running, waiting)` samples (t in
+    seconds from the stream's start, replicas read together): when it last had work, and the
+    requests it ran and held waiting on average until then. Replicas given the same requests
+    that end apart lost the difference to the earlier one's idle tail; a replica running fewer
+    than `max_num_seqs` with none waiting was short of requests."""
+    by_replica: dict[str, list[tuple[float, int, int]]] = {}
+    for t, rid, running, waiting in samples:
+        by_replica.setdefault(rid, []).append((t, running, waiting))
+    busy_until, mean_running, mean_waiting, starved = [], [], [], []
+    for rid in sorted(by_replica):
+        points = by_replica[rid]
+        worked = [p for p in points if p[1] + p[2] > 0]
+        end = max((p[0] for p in worked), default=0.0)
+        span = [p for p in points if p[0] <= end] or points
+        busy_until.append(round(end, 2))
+        mean_running.append(round(sum(p[1] for p in span) / len(span), 1))
+        mean_waiting.append(round(sum(p[2] for p in span) / len(span), 1))
+        starved.append(round(sum(1 for p in span if p[2] == 0) / len(span), 2))
+    return {
+        "replica_busy_until_s": busy_until,
+        "replica_mean_running": mean_running,
+        "replica_mean_waiting": mean_waiting,
+        # The share of samples, until its last work, in which a replica had no request waiting.
+        "replica_none_waiting_share": starved,
+        "samples": [[round(t, 3), rid, running, waiting] for t, rid, running, waiting in samples],
+    }
 
 
 def step_figures(
@@ -90,6 +120,10 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
         sum(m.busy_share) / len(m.busy_share) if m.busy_share else None
     )  # the replicas' mean
     figures["requests_per_replica"] = m.requests_per_replica or None
+    figures["busy_share_per_replica"] = m.busy_share or None
+    if m.timeline is not None:
+        figures.update({k: v for k, v in m.timeline.items() if k != "samples"})
+        figures["replica_samples"] = m.timeline["samples"]
     figures.update(m.steps or {})
     if m.host_cpu is not None:
         figures["host_cpu_us_per_token"] = m.host_cpu["us_per_token"]
@@ -164,6 +198,7 @@ COLUMNS = [
     "stream", "path", "completed", "throughput_tok_s", "ttft_p50_ms", "ttft_p90_ms",
     "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s", "e2e_p90_s",
     "e2e_p99_s", "busy_share", "step_ms", "launch_ms", "seqs_per_step", "requests_per_replica",
+    "replica_busy_until_s", "replica_mean_running",
 ]  # fmt: skip
 SWEEP_COLUMNS = [
     "rate", "passed", "completed", "failed", "request_throughput", "throughput_tok_s",

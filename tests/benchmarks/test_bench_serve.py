@@ -17,7 +17,15 @@ import torch
 from benchmarks.bench_serve import app_args, parse_args
 from benchmarks.serve_engine import drive
 from benchmarks.serve_goodput import Objectives, search
-from benchmarks.serve_report import Measured, fleet_figures, ratios, row, save, step_figures
+from benchmarks.serve_report import (
+    Measured,
+    fleet_figures,
+    ratios,
+    replica_timeline,
+    row,
+    save,
+    step_figures,
+)
 from benchmarks.serve_roofline import (
     Ceilings,
     kv_bytes_per_token,
@@ -266,6 +274,23 @@ class TestReport:
         steps = step_figures(before, after)
         assert steps == pytest.approx({"step_ms": 25.0, "launch_ms": 5.0, "seqs_per_step": 4.0})
         assert step_figures(after, after) is None  # no step ran
+
+    def test_replica_timeline_says_when_each_replica_ran_out_of_work(self):
+        samples = [  # (t, replica, running, waiting)
+            (0.0, "b", 0, 0), (0.0, "a", 0, 0),
+            (0.5, "a", 4, 6), (0.5, "b", 2, 0),
+            (1.0, "a", 4, 2), (1.0, "b", 1, 0),
+            (1.5, "a", 2, 0), (1.5, "b", 0, 0),
+            (2.0, "a", 0, 0), (2.0, "b", 0, 0),
+        ]  # fmt: skip
+        t = replica_timeline(samples)
+        assert t["replica_busy_until_s"] == [1.5, 1.0]  # replicas in id order
+        assert t["replica_mean_running"] == [2.5, 1.0]  # over samples up to the last work
+        assert t["replica_mean_waiting"] == [2.0, 0.0]
+        assert t["replica_none_waiting_share"] == [0.5, 1.0]
+        assert len(t["samples"]) == len(samples)
+        idle = replica_timeline([(0.0, "a", 0, 0), (0.5, "a", 0, 0)])
+        assert idle["replica_busy_until_s"] == [0.0] and idle["replica_mean_running"] == [0.0]
 
     def test_results_files_hold_the_rows_and_the_ratios(self, tmp_path):
         args = parse_args(["--smoke", "--out", str(tmp_path)])

@@ -37,6 +37,14 @@ def test_both_paths_complete_every_request_on_timed_steps(results):
     assert results["host_share"] == HOST_SHARE
     assert results["app_args"]["device"] == "cpu"
     assert results["calibration"]["device"]  # the GPU whose steps are modelled
+    # the HTTP run sampled its one engine replica's queue from the stream's start (how many
+    # rounds catch a request running depends on the timing: not asserted)
+    http = rows["http"]
+    samples = http["replica_samples"]
+    assert samples and samples[0][0] < 1.0 and len({rid for _, rid, _, _ in samples}) == 1
+    assert all(running >= 0 and waiting >= 0 for _, _, running, waiting in samples)
+    assert len(http["replica_busy_until_s"]) == 1
+    assert 0 <= http["replica_busy_until_s"][0] <= samples[-1][0] + 0.005  # 2 decimals
 
 
 def test_cpu_per_token_is_read_for_every_serving_process(results):
