@@ -124,6 +124,10 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
     if m.timeline is not None:
         figures.update({k: v for k, v in m.timeline.items() if k != "samples"})
         figures["replica_samples"] = m.timeline["samples"]
+        # The stream's end after the last replica ran out of work: tokens still on their way
+        # through the ingress and the proxy (to within a sampling round).
+        ends = m.timeline["replica_busy_until_s"]
+        figures["delivery_tail_s"] = round(s["duration_s"] - max(ends), 2) if ends else None
     figures.update(m.steps or {})
     if m.host_cpu is not None:
         figures["host_cpu_us_per_token"] = m.host_cpu["us_per_token"]
@@ -198,7 +202,7 @@ COLUMNS = [
     "stream", "path", "completed", "throughput_tok_s", "ttft_p50_ms", "ttft_p90_ms",
     "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s", "e2e_p90_s",
     "e2e_p99_s", "busy_share", "step_ms", "launch_ms", "seqs_per_step", "requests_per_replica",
-    "replica_busy_until_s", "replica_mean_running",
+    "replica_busy_until_s", "replica_mean_running", "delivery_tail_s",
 ]  # fmt: skip
 SWEEP_COLUMNS = [
     "rate", "passed", "completed", "failed", "request_throughput", "throughput_tok_s",

@@ -291,6 +291,16 @@ class TestReport:
         assert len(t["samples"]) == len(samples)
         idle = replica_timeline([(0.0, "a", 0, 0), (0.5, "a", 0, 0)])
         assert idle["replica_busy_until_s"] == [0.0] and idle["replica_mean_running"] == [0.0]
+        # in a row: the stream (2 s) ended 0.5 s after its last replica ran out of work
+        pcts = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
+        summary = summary_of(50.0, 30.0) | {"duration_s": 2.0}
+        summary |= {"ttft_ms": pcts, "itl_ms": pcts, "e2e_ms": pcts}
+        m = Measured(summary, [0.5, 0.7], [30, 34])
+        m.timeline = t
+        r = row("32 adapters", "http", m)
+        assert r["delivery_tail_s"] == pytest.approx(0.5)
+        assert r["replica_busy_until_s"] == [1.5, 1.0] and "samples" not in r
+        assert len(r["replica_samples"]) == len(samples)
 
     def test_results_files_hold_the_rows_and_the_ratios(self, tmp_path):
         args = parse_args(["--smoke", "--out", str(tmp_path)])
