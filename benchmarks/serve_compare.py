@@ -79,7 +79,8 @@ def compare(index: int, baseline: dict[str, Any], variant: dict[str, Any]) -> li
 
 SCALE_COLUMNS = [
     "replicas", "stream", "HTTP tok/s", "one replica's HTTP tok/s", "HTTP / (N x one)",
-    "requests_per_replica", "imbalance", "busy_share", "load generator cores", "commit",
+    "requests_per_replica", "imbalance", "busy_share", "replica_busy_until_s",
+    "delivery_tail_s", "load generator cores", "commit",
 ]  # fmt: skip
 
 
@@ -110,6 +111,10 @@ def scale_rows(runs: list[dict[str, Any]]) -> list[dict]:
                     "requests_per_replica": row.get("requests_per_replica"),
                     "imbalance": imbalance(row.get("requests_per_replica")),
                     "busy_share": row.get("busy_share"),
+                    # when each replica ran out of work, and how long the stream ran on
+                    # (runs from before bench_serve sampled the replicas' queues have none)
+                    "replica_busy_until_s": row.get("replica_busy_until_s"),
+                    "delivery_tail_s": row.get("delivery_tail_s"),
                     "load generator cores": row.get("load_generator_cores"),
                     "commit": run.get("commit"),
                 }

@@ -45,10 +45,12 @@ def test_runs_of_different_requests_are_refused(tmp_path, capsys):
     assert "BASELINE:VARIANT" in capsys.readouterr().err
 
 
-def scale_run(path, replicas, tok_s, per_replica, requests_a_replica=512):
+def scale_run(path, replicas, tok_s, per_replica, requests_a_replica=512, tail=None):
     rows = [{"stream": "1 adapter", "path": "http", "throughput_tok_s": tok_s,
              "requests_per_replica": per_replica, "busy_share": 0.8,
              "load_generator_cores": 0.5}]  # fmt: skip
+    if tail is not None:  # a run that sampled its replicas' queues
+        rows[0] |= {"delivery_tail_s": tail, "replica_busy_until_s": [9.0] * replicas}
     data = {"device": "cpu", "command": "x", "date": "d", "commit": "c", "replicas": replicas,
             "workload": {"requests": requests_a_replica * replicas}, "rows": rows}  # fmt: skip
     path.write_text(json.dumps(data))
@@ -58,11 +60,13 @@ def scale_run(path, replicas, tok_s, per_replica, requests_a_replica=512):
 def test_scale_out_is_each_run_against_n_times_one_replica(tmp_path):
     runs = [scale_run(tmp_path / "1.json", 1, 1000.0, [512]),
             scale_run(tmp_path / "2.json", 2, 1800.0, [512, 512]),
-            scale_run(tmp_path / "4.json", 4, 3000.0, [600, 400, 512, 536])]  # fmt: skip
+            scale_run(tmp_path / "4.json", 4, 3000.0, [600, 400, 512, 536], tail=1.5)]  # fmt: skip
     md = serve_compare.main(["--name", "t", "--out", str(tmp_path), "--scale", ",".join(runs)])
     rows = json.loads(md.with_suffix(".json").read_text())["rows"]
     assert [r["HTTP / (N x one)"] for r in rows] == pytest.approx([1.0, 0.9, 0.75])
     assert [r["imbalance"] for r in rows] == pytest.approx([1.0, 1.0, 600 / 512])
+    assert [r["delivery_tail_s"] for r in rows] == [None, None, 1.5]
+    assert rows[2]["replica_busy_until_s"] == [9.0] * 4
 
 
 def test_scale_out_needs_the_one_replica_run_first_and_equal_load(tmp_path, capsys):
