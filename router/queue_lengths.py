@@ -53,9 +53,7 @@ class InTransit:
         self._sent.pop(replica, None)
 
     def keep_only(self, replicas: Iterable[Any]) -> None:
-        keep = set(replicas)
-        for replica in [r for r in self._sent if r not in keep]:
-            del self._sent[replica]
+        _keep_only(self._sent, set(replicas))
 
 
 ANSWER_FRESH_S = 1.0  # a cached length backed by an answer this recent outlives a stats push
@@ -114,6 +112,11 @@ class QueueLengthFeed:
     def keep_only(self, replicas: Iterable[Any]) -> None:
         keep = set(replicas)
         self.in_transit.keep_only(keep)
-        for table in (self._answered_at, self._last_stats):
-            for replica in [r for r in table if r not in keep]:
-                del table[replica]
+        _keep_only(self._answered_at, keep)
+        _keep_only(self._last_stats, keep)
+
+
+def _keep_only(table: dict[Any, Any], keep: set[Any]) -> None:
+    """Drop `table`'s entries for replicas not in `keep` (gone from the deployment)."""
+    for replica in [r for r in table if r not in keep]:
+        del table[replica]
