@@ -165,3 +165,23 @@ def cpu_per_token(
         "cpu_s": seconds,
         "processes": counts,
     }
+
+
+# The kernel's counts of connections a listener could not take in time, and of the SYNs a
+# client sent again (1 s, then 3 s later): a burst of new connections past a listen backlog
+# waits here, before any serving process sees it.
+TCP_COUNTERS = ("ListenOverflows", "ListenDrops", "TCPReqQFullDrop", "TCPSynRetrans")
+
+
+def tcp_counters(path: str = "/proc/net/netstat") -> dict[str, int]:
+    """TCP_COUNTERS from the host's (this network namespace's) `TcpExt` table; {} where there is
+    none (not Linux)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return {}
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:") and values.startswith("TcpExt:"):
+            table = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return {k: int(table[k]) for k in TCP_COUNTERS if k in table}
+    return {}

@@ -27,6 +27,7 @@ from benchmarks.serve_cpu import (
     read_all,
     read_threads,
     serving_processes,
+    tcp_counters,
 )
 from benchmarks.serve_goodput import Goodput, Objectives, search
 from benchmarks.serve_report import Measured, fleet_figures, replica_timeline, row, step_figures
@@ -89,6 +90,7 @@ async def http_run(
         return time.process_time() + sum(cpu_seconds(pid) or 0.0 for pid in workers)
 
     client_before = client_cpu()
+    tcp_before = tcp_counters()
     samples: list[tuple[float, str, int, int]] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_queues(handle, time.monotonic(), stop, samples))
@@ -100,6 +102,7 @@ async def http_run(
         stop.set()
         await sampler
     client_cpu_s = client_cpu() - client_before
+    tcp_after = tcp_counters()
     report = result.runs[0]
     cpu_after = read_all(processes)
     threads_after = read_threads(processes)
@@ -120,7 +123,13 @@ async def http_run(
     cpu["load_generator_cores"] = client_cpu_s / max(report.summary["duration_s"], 1e-9)
     cpu["threads_cpu_s"] = busiest_threads(processes, threads_before, threads_after)
     return Measured(
-        report.summary, busy, requests, cpu, step_figures(before, after), replica_timeline(samples)
+        report.summary,
+        busy,
+        requests,
+        cpu,
+        step_figures(before, after),
+        replica_timeline(samples),
+        {k: tcp_after[k] - tcp_before[k] for k in tcp_after if k in tcp_before},
     )
 
 

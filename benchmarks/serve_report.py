@@ -27,6 +27,7 @@ class Measured:
     host_cpu: dict[str, Any] | None = None  # serve_cpu.cpu_per_token, through HTTP
     steps: dict[str, float] | None = None  # step_figures
     timeline: dict[str, Any] | None = None  # replica_timeline, through HTTP
+    tcp: dict[str, int] | None = None  # serve_cpu.tcp_counters' growth over the run, through HTTP
 
 
 def fleet_figures(
@@ -116,6 +117,11 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
         for p in ("p50", "p90", "p99"):
             v = s[key][p]
             figures[f"{name}_{p}_{unit}"] = None if v is None else v * scale
+    written = s.get("write_ms") or {}
+    if written.get("p50") is not None:  # through HTTP: until each request was on the wire
+        figures["write_p50_ms"], figures["write_p99_ms"] = written["p50"], written["p99"]
+    if m.tcp:
+        figures["tcp_counters"] = m.tcp
     figures["busy_share"] = (
         sum(m.busy_share) / len(m.busy_share) if m.busy_share else None
     )  # the replicas' mean

@@ -33,6 +33,12 @@ class _Stream:
     chunk_usage: list[int | None] = field(default_factory=list)  # cumulative, when reported
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    written_at: float | None = None  # perf_counter when the request's body was on the wire
+
+    async def trace(self, event: str, info: dict[str, Any]) -> None:
+        """httpx's trace hook (`extensions={"trace": ...}`): notes when the body was sent."""
+        if event.endswith("send_request_body.complete"):
+            self.written_at = time.perf_counter()
 
     def add_usage(self, usage: dict[str, Any] | None) -> None:
         if usage:
@@ -133,9 +139,13 @@ class OpenAIClient:
         """Send `spec` now; times in the record are relative to `t0` (a `perf_counter` value)."""
         stream = _Stream()
         start = time.perf_counter()
-        timed = dict(sent_s=start - t0)
+        timed: dict[str, Any] = dict(sent_s=start - t0)
         try:
-            await asyncio.wait_for(self._consume(spec, stream), self.request_timeout_s)
+            try:
+                await asyncio.wait_for(self._consume(spec, stream), self.request_timeout_s)
+            finally:
+                if stream.written_at is not None:
+                    timed["written_s"] = stream.written_at - start
         except _Failed as failed:
             return RequestRecord.of(
                 spec,
@@ -180,7 +190,8 @@ class OpenAIClient:
 
     async def _consume(self, spec: RequestSpec, stream: _Stream) -> None:
         """Read the SSE response into `stream`; raise `_Failed` on an error status or event."""
-        async with self._http.stream("POST", PATHS[self.endpoint], json=self.payload(spec)) as r:
+        path, body, trace = PATHS[self.endpoint], self.payload(spec), {"trace": stream.trace}
+        async with self._http.stream("POST", path, json=body, extensions=trace) as r:
             if r.status_code != 200:
                 raise _Failed(Outcome.HTTP_ERROR, r.status_code, _error_message(await r.aread()))
             async for line in r.aiter_lines():

@@ -113,6 +113,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         "itl_ms": distribution_ms(itl for r in ok for itl in r.itl_s),
         "tpot_ms": distribution_ms(r.tpot_s for r in ok if r.tpot_s is not None),
         "e2e_ms": distribution_ms(r.e2e_s for r in ok),
+        # Until the request was on the wire (HTTP clients only; the TCP connect included).
+        "write_ms": distribution_ms(r.written_s for r in ok if r.written_s is not None),
         "multi_token_chunk_share": _multi_token_chunk_share(ok),
         "errors": [
             {"status": status, "error": error, "count": count}

@@ -33,6 +33,9 @@ class RequestRecord:
     scheduled_s: float
     outcome: Outcome
     sent_s: float | None = None
+    # Until the request was written on its connection (a new connection's TCP connect
+    # included): a client or listener short of connections shows here, not in the server.
+    written_s: float | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: tuple[float, ...] = ()

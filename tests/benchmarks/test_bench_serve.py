@@ -294,11 +294,14 @@ class TestReport:
         # in a row: the stream (2 s) ended 0.5 s after its last replica ran out of work
         pcts = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
         summary = summary_of(50.0, 30.0) | {"duration_s": 2.0}
-        summary |= {"ttft_ms": pcts, "itl_ms": pcts, "e2e_ms": pcts}
+        summary |= {"ttft_ms": pcts, "itl_ms": pcts, "e2e_ms": pcts, "write_ms": pcts}
         m = Measured(summary, [0.5, 0.7], [30, 34])
         m.timeline = t
+        m.tcp = {"ListenOverflows": 3, "TCPSynRetrans": 5}
         r = row("32 adapters", "http", m)
         assert r["delivery_tail_s"] == pytest.approx(0.5)
+        assert r["write_p50_ms"] == 1.0 and r["write_p99_ms"] == 3.0
+        assert r["tcp_counters"] == {"ListenOverflows": 3, "TCPSynRetrans": 5}
         assert r["replica_busy_until_s"] == [1.5, 1.0] and "samples" not in r
         assert len(r["replica_samples"]) == len(samples)
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks.serve_cpu import ServingProcess, cpu_per_token, cpu_seconds
+from benchmarks.serve_cpu import ServingProcess, cpu_per_token, cpu_seconds, tcp_counters
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 
@@ -54,3 +54,17 @@ def test_the_load_generator_is_shown_beside_the_serving_processes_not_summed():
     assert out["us_per_token"]["serving processes"] == pytest.approx(500.0)
     without = cpu_per_token(procs, {1: 1.0}, {1: 1.5}, tokens=1000)["us_per_token"]
     assert "load generator (not summed)" not in without
+
+
+def test_tcp_counters_read_the_kernels_tcpext_table(tmp_path):
+    netstat = tmp_path / "netstat"
+    netstat.write_text(
+        "TcpExt: SyncookiesSent ListenOverflows ListenDrops TCPSynRetrans\n"
+        "TcpExt: 0 7 9 12\n"
+        "IpExt: InNoRoutes\n"
+        "IpExt: 0\n"
+    )
+    assert tcp_counters(str(netstat)) == {
+        "ListenOverflows": 7, "ListenDrops": 9, "TCPSynRetrans": 12,
+    }  # fmt: skip
+    assert tcp_counters(str(tmp_path / "absent")) == {}

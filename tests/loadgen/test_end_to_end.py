@@ -53,6 +53,11 @@ class TestClient:
         assert record.e2e_s - record.ttft_s - sum(record.itl_s) >= -1e-9  # the gaps end in it
         assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 11)
 
+    async def test_the_request_is_timed_onto_the_wire_before_its_first_token(self, fake_url):
+        record = await send_one(fake_url, spec(output_len=2))
+        assert record.ok and record.written_s is not None
+        assert 0.0 < record.written_s <= record.ttft_s  # the body went out before the answer
+
     def test_the_timings_are_the_servers(self, virtual):
         record = send_timed(virtual, FakeConfig(), spec(output_len=12))
         assert record.ok and record.num_chunks == 12
