@@ -6,7 +6,8 @@ Processes are found in Ray's actor table (actor class names `ProxyActor`,
 `ServeReplica:<app>:<deployment>`), with an engine replica's engine process
 (`AppArgs.engine_process`: a child it spawned) counted as engine; their CPU time is user +
 system from `/proc/<pid>/stat` (every thread of the process), so this reads processes of this
-machine only (Linux)."""
+machine only (Linux). `tcp_counters` reads the host's TCP counters the same way: connections a
+burst could not open in time wait in the kernel, before any serving process sees them."""
 
 from __future__ import annotations
 
