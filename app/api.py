@@ -44,6 +44,7 @@ from app.protocol import (
 )
 from app.service import EngineClient, OpenAIService
 from app.tokenization import TokenizerPool
+from replicas import hop_log
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,6 +72,19 @@ class ApiSettings:
         if self.max_request_body_bytes is not None:
             return self.max_request_body_bytes
         return default_body_limit(self.max_model_len)
+
+
+class _HopStamps:
+    """ASGI middleware of a diagnostic run (`app.hop_log`): when a request reached the app,
+    before its body is read."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            hop_log.stamp("ingress_asgi")
+        await self.app(scope, receive, send)
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -116,6 +130,8 @@ def make_api(
     api = FastAPI(
         title="lorafleet", summary="One base model, many LoRA adapters.", lifespan=lifespan
     )
+    if hop_log.enabled():
+        api.add_middleware(_HopStamps)
 
     @api.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

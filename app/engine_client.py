@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from app.fleet import ServeFleetClient
+from replicas import hop_log
 from replicas.errors import ErrorKind
 from replicas.protocol import EngineError, GenerateChunk, GenerateRequest
 
@@ -72,6 +73,7 @@ class ServeEngineClient(ServeFleetClient):
         rid = request.request_id
         inbox: asyncio.Queue = asyncio.Queue()
         self._inboxes[rid] = inbox
+        hop_log.stamp("engine_call")
         # Under this ingress's id: the engine aborts the request if this process dies.
         response = self._handle.options(
             stream=True, multiplexed_model_id=request.adapter or ""

@@ -24,6 +24,7 @@ from app.api import ApiSettings
 from app.config import AppArgs, check_pinned, looks_like_local_path
 from app.hub import pin_configured_adapters
 from app.ingress import Ingress
+from replicas import hop_log
 from replicas.adapters.hub import HUB_SCHEME, HubAccess
 from replicas.step_cost import load_step_cost
 
@@ -139,6 +140,9 @@ REPLICA_ENV = {
 # The hub the builder pinned adapters on is the one replicas download them from. HF_TOKEN is not
 # passed (the runtime environment is shown on the dashboard): set it on every node.
 HUB_ENV = ("HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME")
+# Passed on as the builder has them too: a diagnostic run's per-request hop log
+# (`replicas.hop_log`).
+PASSED_ENV = (*HUB_ENV, hop_log.ENV)
 
 
 # The controller's and proxy's part (the proxy is started by the controller and inherits its
@@ -146,20 +150,26 @@ HUB_ENV = ("HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME")
 # starts Serve itself. The proxy sends each HTTP request to an ingress over gRPC and runs its
 # router on its own loop; access logs are written in batches (an error at once). What it saved:
 # docs/perf/serving.md, "The proxy over gRPC".
+# A name the environment starting Serve sets is left to it (e.g. a diagnostic run's
+# `RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1`, each access line at once).
 PROXY_ENV = {
-    "RAY_SERVE_PROXY_USE_GRPC": "1",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
-    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+    name: value
+    for name, value in {
+        "RAY_SERVE_PROXY_USE_GRPC": "1",
+        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+        "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+        "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+    }.items()
+    if name not in os.environ
 }
 CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": PROXY_ENV}}
 
 
 def replica_env() -> dict[str, str]:
     """REPLICA_ENV, less what the environment building the app already sets (a user's choice),
-    plus the builder's hub settings (HUB_ENV) where set."""
+    plus the builder's hub settings and hop log (PASSED_ENV) where set."""
     env = {name: value for name, value in REPLICA_ENV.items() if name not in os.environ}
-    return env | {name: os.environ[name] for name in HUB_ENV if os.environ.get(name)}
+    return env | {name: os.environ[name] for name in PASSED_ENV if os.environ.get(name)}
 
 
 # Ray Serve's own router: power of two choices, preferring replicas that report the request's

@@ -42,6 +42,7 @@ from app.streaming import (
     sse_events,
 )
 from app.tokenization import ChatTemplateError, TextStream, TokenizerPool
+from replicas import hop_log
 from replicas.adapters.hub import HubAccess
 from replicas.errors import ErrorKind
 from replicas.limits import EngineLimits, LimitExceeded
@@ -145,6 +146,7 @@ class OpenAIService:
 
     async def completions(self, body: CompletionRequest) -> Response:
         arrival = self.metrics.clock()
+        hop_log.stamp("ingress_handler")
         adapter = await self.resolve_adapter(body.model)
         limits = await self.engine_limits()
         if isinstance(body.prompt, str):
@@ -191,6 +193,7 @@ class OpenAIService:
         stream = aiter(self.engine.generate(request))
         try:
             first = await next_chunk(stream)
+            hop_log.stamp("ingress_first")
             timer.tokens(len(first.token_ids))
             raise_engine_error(first)
         except APIError as e:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from ray import serve
 
-from replicas import engine_calls
+from replicas import engine_calls, hop_log
 from replicas.adapter_ledger import AdapterEntry, LedgerStore, LoadMismatch, Superseded
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
@@ -132,6 +132,7 @@ class EngineDeployment:
         request that caller's: once the caller's lease lapses (`lease_s` after its last request
         or its last answer as alive) it is asked after, and its requests are aborted only if it
         is dead (`abort_abandoned`)."""
+        hop_log.stamp("engine_in")
         if caller is not None and self.leases.is_dead(caller):  # it reached us late: refused
             self._abandoned(request.request_id, caller)
             error = EngineError(ABANDONED, ErrorKind.UNAVAILABLE)
@@ -145,6 +146,7 @@ class EngineDeployment:
                 if chunk.metrics is not None:
                     self.metrics.request_finished(request.adapter is not None, chunk.metrics)
                 if first:  # where the caller may open a channel (`channel`)
+                    hop_log.stamp("engine_first")
                     chunk = replace(chunk, replica_id=self.replica_id)
                     first = False
                 yield chunk
