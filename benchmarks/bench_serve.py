@@ -190,6 +190,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="which stream --profile samples: 0 the first (e.g. 32 adapters), 1 the next",
     )
     ap.add_argument(
+        "--profile-s",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="how long --profile samples from the stream's start (e.g. 3: a burst's ramp)",
+    )
+    ap.add_argument(
         "--http-only", action="store_true", help="skip the in-process run (profiling the path)"
     )
     ap.add_argument(

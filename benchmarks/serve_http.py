@@ -70,16 +70,24 @@ async def sample_queues(
             pass
 
 
+PROFILE_S = 15.0  # how long --profile samples by default
+
+
 async def http_run(
-    client: OpenAIClient | ShardedClient, handle, stream: Stream, profile: str | None = None
+    client: OpenAIClient | ShardedClient,
+    handle,
+    stream: Stream,
+    profile: str | None = None,
+    profile_s: float = PROFILE_S,
 ) -> Measured:
     """One stream through HTTP. With `profile` (a folder), py-spy samples every serving
-    process for PROFILE_S from the stream's start (collapsed stacks, one file a process)."""
+    process for `profile_s` from the stream's start (collapsed stacks, one file a process):
+    a few seconds profile a burst's ramp alone."""
     processes = await asyncio.to_thread(
         serving_processes, APP_NAME, INGRESS_DEPLOYMENT, ENGINE_DEPLOYMENT
     )
     if profile is not None:
-        start_profilers(processes, profile)
+        start_profilers(processes, profile, profile_s)
     before = await replica_stats(handle)
     cpu_before = read_all(processes)
     threads_before = read_threads(processes)
@@ -133,17 +141,15 @@ async def http_run(
     )
 
 
-PROFILE_S = 15
-
-
-def start_profilers(processes: list, folder: str) -> None:
+def start_profilers(processes: list, folder: str, seconds: float = PROFILE_S) -> None:
     if shutil.which("py-spy") is None:
         print("warning: --profile needs py-spy on the PATH; not profiling", flush=True)
         return
     os.makedirs(folder, exist_ok=True)
     for p in processes:
         out = os.path.join(folder, f"{p.role}-{p.pid}.txt")
-        subprocess.Popen(["py-spy", "record", "--pid", str(p.pid), "--duration", str(PROFILE_S),
+        duration = str(max(1, round(seconds)))  # py-spy takes whole seconds
+        subprocess.Popen(["py-spy", "record", "--pid", str(p.pid), "--duration", duration,
                           "--rate", "100", "--format", "raw", "--nonblocking", "-o", out],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
@@ -165,6 +171,7 @@ async def http_phase(
     profile_dir: str | None = None,
     profile_stream: int = 0,
     clients: int = 1,
+    profile_s: float = PROFILE_S,
 ) -> HttpPhase:
     """Warm up, then each stream through HTTP, sent by `clients` load generator processes
     (this one alone when 1)."""
@@ -188,7 +195,7 @@ async def http_phase(
         measured = {}
         for k, stream in enumerate(work):
             profile = profile_dir if k == profile_stream else None
-            measured[stream.label] = await http_run(client, handle, stream, profile)
+            measured[stream.label] = await http_run(client, handle, stream, profile, profile_s)
             print(stream.label, json.dumps(row(stream.label, "http", measured[stream.label])),
                   flush=True)  # fmt: skip
         return HttpPhase(measured, work)
@@ -240,7 +247,7 @@ def deploy_and_measure(
     async def measure_then_shut_down() -> HttpPhase:
         try:
             return await http_phase(url, wl, work, warm, args.run_timeout, args.profile,
-                                    args.profile_stream, args.clients)  # fmt: skip
+                                    args.profile_stream, args.clients, args.profile_s)  # fmt: skip
         finally:
             # On the loop the handles ran on: with Serve's router on the caller's loop
             # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1), a shutdown after that loop closed fails.

@@ -353,3 +353,20 @@ class TestLoadGeneratorProcesses:
         with pytest.raises(SystemExit):
             parse_args(["--smoke", "--clients", "0"])
         assert "--clients must be at least 1" in capsys.readouterr().err
+
+
+def test_profilers_sample_each_process_for_the_seconds_asked(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks import serve_http
+
+    calls = []
+    monkeypatch.setattr(serve_http.shutil, "which", lambda name: "/bin/" + name)
+    monkeypatch.setattr(serve_http.subprocess, "Popen", lambda argv, **_: calls.append(argv))
+    processes = [SimpleNamespace(role="proxy", pid=11), SimpleNamespace(role="ingress", pid=12)]
+    serve_http.start_profilers(processes, str(tmp_path / "prof"), 2.6)
+    assert [argv[argv.index("--pid") + 1] for argv in calls] == ["11", "12"]
+    assert {argv[argv.index("--duration") + 1] for argv in calls} == {"3"}
+    assert calls[0][-1] == str(tmp_path / "prof" / "proxy-11.txt")
+    serve_http.start_profilers(processes[:1], str(tmp_path / "prof"))
+    assert calls[-1][calls[-1].index("--duration") + 1] == "15"
