@@ -24,6 +24,7 @@
 #                                                                #   a replica (4 GPUs; ~8 min)
 #   bash benchmarks/device_suite.sh serve-scale-timed            # the same on this host's CPUs
 #                                                                #   with timed steps (~5 min)
+#   bash benchmarks/device_suite.sh serve-ramp                   # its ramp by hop and profile
 #   bash benchmarks/device_suite.sh router                       # needs 2+ GPUs and Ray Serve
 #   bash benchmarks/device_suite.sh router-uniform               #   (skewed, then uniform)
 #   bash benchmarks/device_suite.sh router-placement             # the routing cells of
@@ -149,6 +150,24 @@ for s in "$@"; do
                     --replicas "$n" --num-requests $((512 * n)) $only \
                     --name "saturated_scale_timed_${n}x" --out "$OUT"
             done ;;
+        serve-ramp)  # where a burst's ramp waits, by hop and by profile: serve-scale-timed's
+            # runs with the hop log on, py-spy over each first stream's first 3 s (py-spy on
+            # the PATH) and Serve's logs kept; one tarball, ramp.tgz (~6 min)
+            ramp="$OUT/ramp"
+            mkdir -p "$ramp"
+            for n in 1 2 4; do
+                rm -rf "/tmp/hops_${n}x"
+                LORAFLEET_HOP_LOG="/tmp/hops_${n}x" RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 \
+                    OUT="$ramp" stage "serve-ramp-${n}x" 200 python -m benchmarks.bench_serve \
+                    --workload saturated --timed --host-share 0.29 --set engine_process=true \
+                    --set num_ingress_replicas=$((2 * n)) --replicas "$n" \
+                    --num-requests $((512 * n)) --http-only --profile "$ramp/prof_${n}x" \
+                    --profile-s 3 --name "scale_timed_${n}x_ramp" --out "$ramp"
+                cp -r /tmp/ray/session_latest/logs/serve "$ramp/serve_logs_${n}x"
+                python -m benchmarks.serve_hops "/tmp/hops_${n}x" "$ramp/serve_logs_${n}x" \
+                    --out "$ramp/serve_hops_${n}x.md" >/dev/null
+            done
+            tar czf "$OUT/ramp.tgz" -C "$OUT" ramp && rm -rf "$ramp" ;;
         serve-process | serve-seeds-process)  # the engine loop on a thread, then in a process
             # of its own (HTTP only: the first run's in-process figure is the baseline; then
             # python -m benchmarks.serve_compare --pair THREAD.json:PROCESS.json)
