@@ -167,6 +167,10 @@ for s in "$@"; do
                 python -m benchmarks.serve_hops "/tmp/hops_${n}x" "$ramp/serve_logs_${n}x" \
                     --out "$ramp/serve_hops_${n}x.md" >/dev/null
             done
+            for n in 2 8; do  # the proxy alone, before a null ingress: its forward rate
+                OUT="$ramp" stage "proxy-intake-${n}" 120 python -m benchmarks.bench_proxy_intake \
+                    --requests 2048 --ingress-replicas "$n" --out "$ramp"
+            done
             tar czf "$OUT/ramp.tgz" -C "$OUT" ramp && rm -rf "$ramp" ;;
         serve-process | serve-seeds-process)  # the engine loop on a thread, then in a process
             # of its own (HTTP only: the first run's in-process figure is the baseline; then

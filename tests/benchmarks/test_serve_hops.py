@@ -67,3 +67,20 @@ def test_the_table_splits_a_burst_by_hop(tmp_path):
     text = (tmp_path / "t.md").read_text()
     assert "| proxy -> ingress_asgi | 1.000 |" in text
     assert (tmp_path / "t.json").exists()
+
+
+def test_intake_figures_count_only_the_measured_burst():
+    from benchmarks.bench_proxy_intake import figures
+
+    t0 = 100.0
+    arrivals = {"warm": 90.0} | {f"r{i}": t0 + 0.5 + 0.1 * i for i in range(5)}
+    begins = {f"r{i}": t0 + 0.05 * i for i in range(5)}
+    out = figures(t0, arrivals, begins, 5, cpu_s=0.01)
+    assert out["forward_rate_req_s"] == pytest.approx(4 / 0.4)
+    assert out["reached_ingress_first_s"] == pytest.approx(0.5)
+    assert out["lag_max_s"] == pytest.approx(0.5 + 0.4 - 0.2)
+    assert out["proxy_cpu_ms_per_request"] == pytest.approx(2.0)
+    no_lines = figures(t0, arrivals, {}, 5, cpu_s=None)
+    assert "lag_p50_s" not in no_lines and no_lines["proxy_cpu_ms_per_request"] is None
+    with pytest.raises(RuntimeError, match="4 of 5"):
+        figures(t0, {k: v for k, v in arrivals.items() if k != "r4"}, begins, 5, None)
