@@ -95,14 +95,12 @@ async def send_burst(url: str, n: int, body_bytes: int) -> float:
 
 
 def proxy_cpu_s() -> float | None:
-    """User + system CPU seconds of this node's Serve proxy process, None if not found."""
-    import psutil
+    """User + system CPU seconds of this node's Serve proxy process (from /proc), None if not
+    found."""
+    from benchmarks.serve_cpu import cpu_seconds, serving_processes
 
-    for p in psutil.process_iter(["cmdline"]):
-        if any("ProxyActor" in part for part in p.info["cmdline"] or []):
-            t = p.cpu_times()
-            return t.user + t.system
-    return None
+    proxies = [p for p in serving_processes(APP_NAME, "NullIngress", "") if p.role == "proxy"]
+    return cpu_seconds(proxies[0].pid) if proxies else None
 
 
 def _q(xs: list[float], q: float) -> float:
