@@ -151,11 +151,14 @@ for s in "$@"; do
                     --name "saturated_scale_timed_${n}x" --out "$OUT"
             done ;;
         serve-ramp)  # where a burst's ramp waits, by hop and by profile: serve-scale-timed's
-            # runs with the hop log on, py-spy over each first stream's first 3 s (py-spy on
-            # the PATH) and Serve's logs kept; one tarball, ramp.tgz (~6 min)
+            # runs with the hop log on, py-spy over each first stream's first 3 s and Serve's
+            # logs kept, then the proxy before a null ingress; one tarball, ramp.tgz (~7 min).
+            # py-spy must be on the PATH: `pip download py-spy --no-deps -d .gpu` beforehand,
+            # then on the device `pip install -q --target /tmp/pyspy .gpu/py_spy-*.whl` and
+            # `export PATH=/tmp/pyspy/bin:$PATH`. RAMP_REPLICAS="1 2 4" chooses the runs.
             ramp="$OUT/ramp"
             mkdir -p "$ramp"
-            for n in 1 2 4; do
+            for n in ${RAMP_REPLICAS:-1 2 4}; do
                 rm -rf "/tmp/hops_${n}x"
                 LORAFLEET_HOP_LOG="/tmp/hops_${n}x" RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 \
                     OUT="$ramp" stage "serve-ramp-${n}x" 200 python -m benchmarks.bench_serve \
@@ -168,7 +171,7 @@ for s in "$@"; do
                     --out "$ramp/serve_hops_${n}x.md" >/dev/null
             done
             for n in 2 8; do  # the proxy alone, before a null ingress: its forward rate
-                OUT="$ramp" stage "proxy-intake-${n}" 120 python -m benchmarks.bench_proxy_intake \
+                OUT="$ramp" stage "proxy-intake-${n}" 150 python -m benchmarks.bench_proxy_intake \
                     --requests 2048 --ingress-replicas "$n" --out "$ramp"
             done
             tar czf "$OUT/ramp.tgz" -C "$OUT" ramp && rm -rf "$ramp" ;;
