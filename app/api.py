@@ -75,7 +75,7 @@ class ApiSettings:
 
 
 class _HopStamps:
-    """ASGI middleware of a diagnostic run (`app.hop_log`): when a request reached the app,
+    """ASGI middleware of a diagnostic run (`replicas.hop_log`): when a request reached the app,
     before its body is read."""
 
     def __init__(self, app: Any) -> None:

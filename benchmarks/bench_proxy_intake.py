@@ -7,14 +7,14 @@ waits, by hop").
 
 Serve is started with the app's own proxy settings (`app.main.CONTROLLER_OPTIONS`, each access
 line written at once) and replica settings (`app.main.REPLICA_ENV`), in front of an ingress
-that does nothing: a FastAPI route that notes when it was called, streams one event, holds
-the stream `--hold-s` (so every request of the burst is open at once, as under a saturated
-load) and ends. A warm-up burst, then the measured one, all sent at once by one load
-generator. Figures: the proxy's start of each request (its access line), the ingress route's
-start, the time between them, the rate at which requests reached the ingresses, and the
-proxy process's CPU over the burst per request. The comparison it exists for: how long one
-proxy takes to hand on a full batch (`max_num_seqs`, 128) to each of N engine replicas at
-that rate, against the ~0.5 s an H200 takes to prefill one.
+that does nothing: a FastAPI route that stamps when it was called (`replicas.hop_log`),
+streams one event, holds the stream `--hold-s` (so every request of the burst is open at
+once, as under a saturated load) and ends. A warm-up burst, then the measured one, all sent at
+once by one load generator. Figures: the proxy's start of each request (its access line), the
+ingress route's start, the time between them, the rate at which requests reached the
+ingresses, and the proxy process's CPU over the burst per request. The comparison it exists
+for: how long one proxy takes to hand on a full batch (`max_num_seqs`, 128) to each of N
+engine replicas at that rate, against the ~0.5 s an H200 takes to prefill one.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any
 import httpx
 
 from benchmarks.common import free_port, write_results
-from benchmarks.serve_hops import read_proxy_log
+from benchmarks.serve_hops import quantile, read_hops, read_proxy_log
+from replicas import hop_log
 
 APP_NAME = "proxy-intake"
 ROUTE = "/proxy-intake"
@@ -39,6 +40,7 @@ BATCH = 128  # max_num_seqs of the GPU configs: the requests that fill one engin
 
 
 def build_ingress(stamps: str, hold_s: float, num_replicas: int) -> Any:
+    """The null ingress; each replica stamps its requests into the hop log `stamps`."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
     from ray import serve
@@ -46,24 +48,19 @@ def build_ingress(stamps: str, hold_s: float, num_replicas: int) -> Any:
     from app.main import replica_env
 
     api = FastAPI()
+    env = replica_env() | {hop_log.ENV: stamps}
 
     @serve.deployment(
         max_ongoing_requests=100_000,
         num_replicas=num_replicas,
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": replica_env()}},
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
     )
     @serve.ingress(api)
     class NullIngress:
-        def __init__(self) -> None:
-            Path(stamps).mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(stamps) / f"{os.getpid()}.log", "a", buffering=1)  # noqa: SIM115
-
         # No annotations: FastAPI resolves them in the module's globals, not this scope.
         @api.post("/v1/completions", response_model=None)
         async def completions(self):  # noqa: ANN202
-            from ray.serve.context import _get_serve_request_context
-
-            self._file.write(f"{_get_serve_request_context().request_id} {time.time():.6f}\n")
+            hop_log.stamp("ingress_asgi")
 
             async def events():
                 yield b"data: {}\n\n"
@@ -103,11 +100,6 @@ def proxy_cpu_s() -> float | None:
     return cpu_seconds(proxies[0].pid) if proxies else None
 
 
-def _q(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def figures(
     t0: float, arrivals: dict[str, float], begins: dict[str, float], n: int, cpu_s: float | None
 ) -> dict[str, Any]:
@@ -128,7 +120,11 @@ def figures(
         "proxy_lines": len(lags),
     }
     if lags:
-        out |= {"lag_p50_s": _q(lags, 0.5), "lag_p90_s": _q(lags, 0.9), "lag_max_s": max(lags)}
+        out |= {
+            "lag_p50_s": quantile(lags, 0.5),
+            "lag_p90_s": quantile(lags, 0.9),
+            "lag_max_s": max(lags),
+        }
     return out
 
 
@@ -166,11 +162,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(1.0)  # the last access lines reach the log
         logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
         begins = read_proxy_log([logs])
-        arrivals = {}
-        for path in Path(stamps).glob("*.log"):
-            for line in path.read_text().splitlines():
-                rid, when = line.split()
-                arrivals[rid] = float(when)
+        arrivals = {
+            rid: hops["ingress_asgi"]
+            for rid, hops in read_hops([Path(stamps)]).items()
+            if "ingress_asgi" in hops
+        }
         cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         return figures(t0, arrivals, begins, args.requests, cpu)
     finally:

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-__all__ = ["HOPS", "bursts", "hop_table", "read_hops", "read_proxy_log"]
+__all__ = ["HOPS", "bursts", "hop_table", "quantile", "read_hops", "read_proxy_log"]
 
 HOPS = (
     "proxy",
@@ -100,7 +100,8 @@ def _first(hops: Mapping[str, float]) -> float:
     return min(hops.values())
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
+    """The value at rank q of `xs` (nearest rank, no interpolation)."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
@@ -113,7 +114,7 @@ def hop_table(burst: list[Mapping[str, float]]) -> dict[str, object]:
     for hop in HOPS:
         xs = [hops[hop] - t0 for hops in burst if hop in hops]
         if xs:
-            starts[hop] = {"n": len(xs), **{f"q{q:g}": _quantile(xs, q) for q in QUANTILES}}
+            starts[hop] = {"n": len(xs), **{f"q{q:g}": quantile(xs, q) for q in QUANTILES}}
     gaps = {}
     seen = [hop for hop in HOPS if hop in starts]
     for a, b in zip(seen, seen[1:], strict=False):
@@ -121,8 +122,8 @@ def hop_table(burst: list[Mapping[str, float]]) -> dict[str, object]:
         if xs:
             gaps[f"{a} -> {b}"] = {
                 "n": len(xs),
-                "p50": _quantile(xs, 0.5),
-                "p90": _quantile(xs, 0.9),
+                "p50": quantile(xs, 0.5),
+                "p90": quantile(xs, 0.9),
                 "max": max(xs),
             }
     return {"requests": len(burst), "starts_s": starts, "gaps_s": gaps}
