@@ -84,3 +84,14 @@ def test_intake_figures_count_only_the_measured_burst():
     assert "lag_p50_s" not in no_lines and no_lines["proxy_cpu_ms_per_request"] is None
     with pytest.raises(RuntimeError, match="4 of 5"):
         figures(t0, {k: v for k, v in arrivals.items() if k != "r4"}, begins, 5, None)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--requests", "1"], ["--warmup", "0"], ["--ingress-replicas", "0"], ["--hold-s", "-1"]]
+)
+def test_intake_refuses_arguments_it_cannot_measure(argv, capsys):
+    from benchmarks.bench_proxy_intake import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "--requests >= 2, --warmup >= 1" in capsys.readouterr().err
