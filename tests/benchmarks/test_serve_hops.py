@@ -86,9 +86,11 @@ def test_intake_figures_count_only_the_measured_burst():
         figures(t0, {k: v for k, v in arrivals.items() if k != "r4"}, begins, 5, None)
 
 
-@pytest.mark.parametrize(
-    "argv", [["--requests", "1"], ["--warmup", "0"], ["--ingress-replicas", "0"], ["--hold-s", "-1"]]
-)
+BAD_INTAKE_ARGS = [["--requests", "1"], ["--warmup", "0"], ["--ingress-replicas", "0"],
+                   ["--hold-s", "-1"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", BAD_INTAKE_ARGS)
 def test_intake_refuses_arguments_it_cannot_measure(argv, capsys):
     from benchmarks.bench_proxy_intake import main
 
