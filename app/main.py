@@ -131,6 +131,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
 # a killed ingress's requests were not aborted by the engines' lease sweep and ran on for 3 s
 # (tests/e2e/test_serve.py's chaos test: 0.7 s with the default), so user code keeps its loop.
 REPLICA_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",  # an ingress replica then takes HTTP itself (PROXY_ENV)
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
@@ -155,6 +157,8 @@ PASSED_ENV = (*HUB_ENV, hop_log.ENV)
 PROXY_ENV = {
     name: value
     for name, value in {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
         "RAY_SERVE_PROXY_USE_GRPC": "1",
         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
         "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",

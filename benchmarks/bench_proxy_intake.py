@@ -91,13 +91,20 @@ async def send_burst(url: str, n: int, body_bytes: int) -> float:
         return t0
 
 
-def proxy_cpu_s() -> float | None:
-    """User + system CPU seconds of this node's Serve proxy process (from /proc), None if not
-    found."""
-    from benchmarks.serve_cpu import cpu_seconds, serving_processes
+def proxy_processes() -> list:
+    """This node's proxy processes: Serve's proxy, and in HAProxy mode (`app.main.PROXY_ENV`)
+    its manager and the haproxy it runs (`spawned`)."""
+    from benchmarks.serve_cpu import serving_processes
 
-    proxies = [p for p in serving_processes(APP_NAME, "NullIngress", "") if p.role == "proxy"]
-    return cpu_seconds(proxies[0].pid) if proxies else None
+    return [p for p in serving_processes(APP_NAME, "NullIngress", "") if p.role == "proxy"]
+
+
+def proxy_cpu_s(proxies: list) -> float | None:
+    """User + system CPU seconds of `proxies` (from /proc), None if none is found."""
+    from benchmarks.serve_cpu import cpu_seconds
+
+    seconds = [s for p in proxies if (s := cpu_seconds(p.pid)) is not None]
+    return sum(seconds) if seconds else None
 
 
 def figures(
@@ -156,9 +163,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         url = f"http://127.0.0.1:{port}{ROUTE}"
         asyncio.run(send_burst(url, args.warmup, args.body_bytes))
         time.sleep(1.0)
-        cpu0 = proxy_cpu_s()
+        proxies = proxy_processes()
+        cpu0 = proxy_cpu_s(proxies)
         t0 = asyncio.run(send_burst(url, args.requests, args.body_bytes))
-        cpu1 = proxy_cpu_s()
+        cpu1 = proxy_cpu_s(proxies)
         time.sleep(1.0)  # the last access lines reach the log
         logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
         begins = read_proxy_log([logs])
@@ -168,7 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if "ingress_asgi" in hops
         }
         cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
-        return figures(t0, arrivals, begins, args.requests, cpu)
+        haproxies = sum(p.spawned for p in proxies)
+        return figures(t0, arrivals, begins, args.requests, cpu) | {"haproxy_processes": haproxies}
     finally:
         if owned:
             serve.shutdown()

@@ -2,9 +2,10 @@
 replica, each engine replica (and, from the engine's own count, the part of it spent outside
 engine steps), read before and after a run and divided by the tokens it delivered.
 
-Processes are found in Ray's actor table (actor class names `ProxyActor`,
+Processes are found in Ray's actor table (actor class names `ProxyActor`, `HAProxyManager`,
 `ServeReplica:<app>:<deployment>`), with an engine replica's engine process
-(`AppArgs.engine_process`: a child it spawned) counted as engine; their CPU time is user +
+(`AppArgs.engine_process`: a child it spawned) counted as engine and the `haproxy` processes
+an HAProxyManager runs (Serve's HAProxy mode, `app.main.PROXY_ENV`) as proxy; their CPU time is user +
 system from `/proc/<pid>/stat` (every thread of the process), so this reads processes of this
 machine only (Linux). `tcp_counters` reads the host's TCP counters the same way: connections a
 burst could not open in time wait in the kernel, before any serving process sees them."""
@@ -25,7 +26,7 @@ class ServingProcess:
     role: str  # "proxy", "ingress", "engine", "controller"
     pid: int
     actor_id: str = ""
-    spawned: bool = False  # a process the actor started (an engine replica's engine process)
+    spawned: bool = False  # a process the actor started (an engine process, an haproxy)
 
 
 def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingProcess]:
@@ -34,6 +35,7 @@ def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingP
 
     roles = {
         "ProxyActor": "proxy",
+        "HAProxyManager": "proxy",  # the haproxy processes it runs are found below
         "ServeController": "controller",
         f"ServeReplica:{app_name}:{ingress}": "ingress",
         f"ServeReplica:{app_name}:{engine}": "engine",
@@ -43,15 +45,19 @@ def serving_processes(app_name: str, ingress: str, engine: str) -> list[ServingP
         role = roles.get(actor.get("ActorClassName"))
         if role is not None and actor.get("State") == "ALIVE" and actor.get("Pid"):
             found.append(ServingProcess(role, int(actor["Pid"]), actor_id))
-    engines = {p.pid: p.actor_id for p in found if p.role == "engine"}
-    found += [ServingProcess("engine", pid, engines[parent], spawned=True)
-              for pid, parent in _spawned(engines)]  # fmt: skip
+    parents = {p.pid: p for p in found if p.role in ("engine", "proxy")}
+    found += [ServingProcess(parents[parent].role, pid, parents[parent].actor_id, spawned=True)
+              for pid, parent in _spawned(parents)]  # fmt: skip
     return sorted(found, key=lambda p: (p.role, p.pid))
 
 
+# How a child of a serving actor shows in its command line: an engine replica's engine process
+# (multiprocessing's spawn) and the HAProxy an HAProxyManager runs.
+CHILD_MARKERS = (b"spawn_main", b"haproxy")
+
+
 def _spawned(parents: Mapping[int, object]) -> list[tuple[int, int]]:
-    """(pid, parent pid) of the processes that `parents` started with multiprocessing's spawn
-    (an engine replica's engine process)."""
+    """(pid, parent pid) of the processes that `parents` started (CHILD_MARKERS)."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -59,7 +65,10 @@ def _spawned(parents: Mapping[int, object]) -> list[tuple[int, int]]:
         try:
             stat = (entry / "stat").read_text()
             parent = int(stat[stat.rindex(")") + 2 :].split()[1])
-            if parent in parents and b"spawn_main" in (entry / "cmdline").read_bytes():
+            if parent not in parents:
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+            if any(marker in cmdline for marker in CHILD_MARKERS):
                 out.append((int(entry.name), parent))
         except (OSError, ValueError):
             continue
