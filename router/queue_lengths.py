@@ -72,14 +72,6 @@ class QueueLengthFeed:
       report replaces a length no answer has backed for `answer_fresh_s` (or a missing one,
       as for a replica whose probes miss Serve's deadline) with the engine's running and
       waiting requests, plus ours on the way.
-    - `estimate`: the length for a replica the cache has none for when a request is being
-      placed (the entry expired, or its probes miss Serve's deadline), from its last report.
-      Serve takes a replica with a cached length over one it must probe, and probes in the
-      background: when a burst reaches an ingress all at once, its loop answers probes late,
-      and every request went to the replicas still cached (through HAProxy, 2 replicas:
-      323 against 701 requests; Ray's own router 81 against 943). A replica that failed a
-      call (`forget`) gets no estimate until a changed report: an unchanged one may predate
-      the failure.
     """
 
     def __init__(self, answer_fresh_s: float = ANSWER_FRESH_S) -> None:
@@ -87,7 +79,6 @@ class QueueLengthFeed:
         self.in_transit = InTransit()
         self._answered_at: dict[Any, float] = {}
         self._last_stats: dict[Any, Any] = {}
-        self._lost: set[Any] = set()  # failed a call since its last changed report
 
     def sent(self, replica: Any, now: float) -> None:
         self.in_transit.sent(replica, now)
@@ -108,18 +99,8 @@ class QueueLengthFeed:
         self._last_stats[replica] = stats
         if stats == last:
             return None
-        self._lost.discard(replica)
         answered = self._answered_at.get(replica)
         if cached is not None and answered is not None and now - answered <= self.answer_fresh_s:
-            return None
-        return count + self.in_transit.pending(replica, now)
-
-    def estimate(self, replica: Any, stats: Any, now: float) -> int | None:
-        """The length to cache for a replica the cache has none for: its engine's running and
-        waiting requests as last reported, plus ours on the way; None without counts in
-        `stats` or after a failed call not followed by a changed report."""
-        count = stats_queue_len(stats)
-        if count is None or replica in self._lost:
             return None
         return count + self.in_transit.pending(replica, now)
 
@@ -127,14 +108,12 @@ class QueueLengthFeed:
         """The replica failed a call: no answer is coming for what we sent."""
         self.in_transit.forget(replica)
         self._answered_at.pop(replica, None)
-        self._lost.add(replica)
 
     def keep_only(self, replicas: Iterable[Any]) -> None:
         keep = set(replicas)
         self.in_transit.keep_only(keep)
         _keep_only(self._answered_at, keep)
         _keep_only(self._last_stats, keep)
-        self._lost &= keep
 
 
 def _keep_only(table: dict[Any, Any], keep: set[Any]) -> None:

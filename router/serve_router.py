@@ -155,21 +155,7 @@ class AffinityRequestRouter(RequestRouter):
             request_id = pending_request.metadata.internal_request_id
             # Back off between rounds when no tier had room (Serve retries at once otherwise).
             pending_request.routing_context.should_backoff = True
-        self._fill_missing_queue_lens(candidate_replicas)
         return self.routing.rank(adapter, candidate_replicas, self._cached_queue_len, request_id)
-
-    def _fill_missing_queue_lens(self, replicas: list[RunningReplica]) -> None:
-        """A candidate without a cached length gets one from its last routing stats
-        (`QueueLengthFeed.estimate`), so Serve weighs it against the others instead of sending
-        to whichever is cached while it probes this one in the background."""
-        if not self._use_replica_queue_len_cache:
-            return
-        now = self._get_curr_time_s()
-        for replica in replicas:
-            if self._cached_queue_len(replica) is None:
-                estimate = self._feed.estimate(replica.replica_id, reported_stats(replica), now)
-                if estimate is not None:
-                    super().on_new_queue_len_info(replica.replica_id, estimate)
 
     def _cached_queue_len(self, replica: RunningReplica) -> int | None:
         return self._replica_queue_len_cache.get(replica.replica_id)

@@ -256,15 +256,6 @@ class Router:
             return None
         return entry[0]
 
-    def fill_queue_len(self, replica_id: str, stats: Mapping[str, Any]) -> None:
-        """`AffinityRequestRouter._fill_missing_queue_lens` for one replica: no usable cache
-        entry, the feed's estimate from its last stats (`QueueLengthFeed.estimate`)."""
-        if self.feed is None or self.cached_queue_len(replica_id) is not None:
-            return
-        queue_len = self.feed.estimate(replica_id, stats, self.loop.now())
-        if queue_len is not None:
-            self._cache_set(replica_id, queue_len)
-
     def _cache_set(self, replica_id: str, queue_len: int) -> None:
         self._cache[replica_id] = (queue_len, self.loop.now())
 
@@ -647,8 +638,6 @@ class AffinityChoice:
 
     def choose_replicas(self, router: Router, request: SimRequest) -> list[list[str]]:
         request.should_backoff = True
-        for running in self._running:
-            router.fill_queue_len(running.replica_id.unique_id, running.routing_stats)
         cached: Callable[[_Running], int | None] = lambda r: router.cached_queue_len(
             r.replica_id.unique_id
         )

@@ -545,39 +545,6 @@ class TestRequestRouter:
         assert router._replica_queue_len_cache.get(silent.replica_id) == 2
         assert await router._select_from_candidate_replicas([busy, silent], 0) is silent
 
-    async def test_a_burst_is_not_all_sent_to_the_one_replica_still_cached(self, cached_router):
-        """r1's cache entry has expired and its probes miss their deadline (an ingress loop
-        busy with a burst): Serve alone sends to r0, the one it has a length for, and probes
-        r1 in the background. Placing a request fills r1 in from its stats."""
-        router = cached_router
-        cached = ProbedReplica("r0", stats(running=6), answer=6)
-        expired = ProbedReplica("r1", stats(running=1), answer=None)
-        router.update_replicas([cached, expired])
-        router._replica_queue_len_cache.invalidate_key(expired.replica_id)  # 10 s unused
-        router.update_replicas([cached, expired])  # an unchanged push leaves it missing
-        router.on_new_queue_len_info(cached.replica_id, 6)
-        assert await router._select_from_candidate_replicas([cached, expired], 0) is cached
-        tiers = await router.choose_replicas([cached, expired], self.pending(""))
-        assert router._replica_queue_len_cache.get(expired.replica_id) == 1
-        assert tiers[0] == [expired]
-        assert await router._select_from_candidate_replicas([cached, expired], 0) is expired
-
-    async def test_a_replica_that_failed_a_call_is_not_filled_in_from_old_stats(
-        self, cached_router
-    ):
-        router = cached_router
-        replica = ProbedReplica("r0", stats(running=2), answer=None)
-        router.update_replicas([replica])
-        router.on_send_request(replica.replica_id)
-        router.on_replica_actor_unavailable(replica.replica_id)  # its cache entry dropped
-        await router.choose_replicas([replica], self.pending("a"))
-        assert router._replica_queue_len_cache.get(replica.replica_id) is None
-        replica.routing_stats = stats(running=3)  # a report made since
-        router.update_replicas([replica])
-        router._replica_queue_len_cache.invalidate_key(replica.replica_id)  # then it expired
-        await router.choose_replicas([replica], self.pending("a"))
-        assert router._replica_queue_len_cache.get(replica.replica_id) == 3
-
     async def test_only_a_changed_report_fills_a_missing_length(self, cached_router):
         router = cached_router
         replica = ProbedReplica("r0", stats(running=3), answer=None)
