@@ -5,10 +5,11 @@ engine steps), read before and after a run and divided by the tokens it delivere
 Processes are found in Ray's actor table (actor class names `ProxyActor`, `HAProxyManager`,
 `ServeReplica:<app>:<deployment>`), with an engine replica's engine process
 (`AppArgs.engine_process`: a child it spawned) counted as engine and the `haproxy` processes
-an HAProxyManager runs (Serve's HAProxy mode, `app.main.PROXY_ENV`) as proxy; their CPU time is user +
-system from `/proc/<pid>/stat` (every thread of the process), so this reads processes of this
-machine only (Linux). `tcp_counters` reads the host's TCP counters the same way: connections a
-burst could not open in time wait in the kernel, before any serving process sees them."""
+an HAProxyManager runs (Serve's HAProxy mode, `app.main.PROXY_ENV`) as proxy; their CPU time
+is user + system from `/proc/<pid>/stat` (every thread of the process), so this reads
+processes of this machine only (Linux). `tcp_counters` reads the host's TCP counters the same
+way: connections a burst could not open in time wait in the kernel, before any serving process
+sees them."""
 
 from __future__ import annotations
 
