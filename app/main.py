@@ -149,8 +149,12 @@ PASSED_ENV = (*HUB_ENV, hop_log.ENV)
 
 # The controller's and proxy's part (the proxy is started by the controller and inherits its
 # environment): `controller_options` in configs/*.yaml, and `CONTROLLER_OPTIONS` for code that
-# starts Serve itself. The proxy sends each HTTP request to an ingress over gRPC and runs its
-# router on its own loop; access logs are written in batches (an error at once). What it saved:
+# starts Serve itself. HAProxy takes HTTP and balances each connection onto an ingress replica's
+# own HTTP server (half the host CPU a token, and no queue in Serve's Python proxy when a burst
+# arrives: docs/perf/serving.md, "HAProxy in front of the ingresses"); an ingress replica that
+# stops stays reachable 5 s (Ray's default 30 s) so HAProxy drops it first. Serve's proxy stays
+# as HAProxy's fallback: it sends each HTTP request to an ingress over gRPC and runs its router
+# on its own loop; access logs are written in batches (an error at once). What that saved:
 # docs/perf/serving.md, "The proxy over gRPC".
 # A name the environment starting Serve sets is left to it (e.g. a diagnostic run's
 # `RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1`, each access line at once).

@@ -5,14 +5,15 @@ waits, by hop").
     python -m benchmarks.bench_proxy_intake                      # 600 requests, 2 ingresses
     python -m benchmarks.bench_proxy_intake --requests 2048 --ingress-replicas 8
 
-Serve is started with the app's own proxy settings (`app.main.CONTROLLER_OPTIONS`, each access
-line written at once) and replica settings (`app.main.REPLICA_ENV`), in front of an ingress
-that does nothing: a FastAPI route that stamps when it was called (`replicas.hop_log`),
-streams one event, holds the stream `--hold-s` (so every request of the burst is open at
-once, as under a saturated load) and ends. A warm-up burst, then the measured one, all sent at
-once by one load generator. Figures: the proxy's start of each request (its access line), the
-ingress route's start, the time between them, the rate at which requests reached the
-ingresses, and the proxy process's CPU over the burst per request. The comparison it exists
+Serve is started with the app's own proxy settings (`app.main.CONTROLLER_OPTIONS`: HAProxy in
+front, or Serve's proxy with `RAY_SERVE_ENABLE_HA_PROXY=0` set, each access line written at
+once) and replica settings (`app.main.REPLICA_ENV`), in front of an ingress that does nothing:
+a FastAPI route that stamps when it was called (`replicas.hop_log`), streams one event, holds
+the stream `--hold-s` (so every request of the burst is open at once, as under a saturated
+load) and ends. A warm-up burst, then the measured one, all sent at once by one load
+generator. Figures: the proxy's start of each request (its access line; none from HAProxy),
+the ingress route's start, the time between them, the rate at which requests reached the
+ingresses, and the proxy processes' CPU over the burst per request. The comparison it exists
 for: how long one proxy takes to hand on a full batch (`max_num_seqs`, 128) to each of N
 engine replicas at that rate, against the ~0.5 s an H200 takes to prefill one.
 """

@@ -140,6 +140,7 @@ class AffinityRequestRouter(RequestRouter):
             AffinityPolicy(**policy_kwargs), hints=hints, default_num_slots=num_slots
         )
         self._feed = QueueLengthFeed()
+        self._counted: dict[ReplicaID, int] = {}  # picked and counted, not sent yet
 
     async def choose_replicas(
         self,
@@ -163,6 +164,8 @@ class AffinityRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._feed.keep_only(r.replica_id for r in replicas)
+        ids = {r.replica_id for r in replicas}
+        self._counted = {rid: n for rid, n in self._counted.items() if rid in ids}
         now = self._get_curr_time_s()
         for replica in replicas:
             cached = self._cached_queue_len(replica)
@@ -172,7 +175,29 @@ class AffinityRequestRouter(RequestRouter):
             if queue_len is not None:
                 super().on_new_queue_len_info(replica.replica_id, queue_len)
 
+    def _fulfill_next_pending_request(
+        self, replica: RunningReplica, request_metadata: Any = None
+    ) -> None:
+        """Serve's exact match, and the request counted on `replica` at once. Serve counts a
+        request (`on_send_request`) when its own coroutine resumes to send it, but a routing
+        task does not yield while cached lengths answer: it picks for every pending request
+        first, each against the same cached lengths. A burst reaching an ingress at once then
+        went whole to the replica that looked shortest when it began (through HAProxy, timed
+        steps on one GPU host, 2 replicas: 323 against 701 requests; 4: 274 against 650)."""
+        picked = self._get_pending_request_matching_internal_request_id(request_metadata)
+        super()._fulfill_next_pending_request(replica, request_metadata)
+        if picked is not None and picked.future.done() and not picked.future.cancelled():
+            self._count_send(replica.replica_id)
+            self._counted[replica.replica_id] = self._counted.get(replica.replica_id, 0) + 1
+
     def on_send_request(self, replica_id: ReplicaID) -> None:
+        counted = self._counted.get(replica_id, 0)
+        if counted:  # counted when it was picked
+            self._counted[replica_id] = counted - 1
+            return
+        self._count_send(replica_id)
+
+    def _count_send(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
         if self._use_replica_queue_len_cache:
             self._feed.sent(replica_id, self._get_curr_time_s())
@@ -188,6 +213,7 @@ class AffinityRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._feed.forget(replica_id)
+        self._counted.pop(replica_id, None)
 
     def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_unavailable(replica_id)

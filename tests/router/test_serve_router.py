@@ -5,6 +5,7 @@ subclass driven through its hooks."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -641,6 +642,27 @@ class TestRequestRouter:
                 taken["slow"] += 1
                 router.on_new_queue_len_info(slow.replica_id, taken["slow"])
         assert abs(sent["quick"] - sent["slow"]) <= 2, sent
+
+    async def test_a_burst_ranked_in_one_go_is_spread_before_any_send(self, cached_router):
+        """Serve's routing tasks pick for every pending request without yielding while cached
+        lengths answer, and each request is sent (`on_send_request`) only when its own
+        coroutine resumes, after them all: each pick must count on its replica at once, or the
+        whole burst goes to the replica that looked shortest when it began."""
+        router = cached_router
+        short, long = ProbedReplica("short", stats(), answer=0), ProbedReplica("long", stats())
+        router.update_replicas([short, long])
+        router.on_new_queue_len_info(short.replica_id, 3)
+        router.on_new_queue_len_info(long.replica_id, 4)
+        burst = [self.pending("", request_id=f"q{i}") for i in range(40)]
+        chosen = await asyncio.gather(*(router._choose_replica_for_request(p) for p in burst))
+        names = Counter(replica.replica_id.unique_id for replica in chosen)
+        assert abs(names["short"] - names["long"]) <= 2, names
+        assert router._replica_queue_len_cache.get(short.replica_id) == 3 + names["short"]
+        for replica in chosen:  # the sends, once the picks are done: counted already
+            router.on_send_request(replica.replica_id)
+        assert router._replica_queue_len_cache.get(long.replica_id) == 4 + names["long"]
+        router.on_send_request(long.replica_id)  # a send no pick counted (a broadcast)
+        assert router._replica_queue_len_cache.get(long.replica_id) == 5 + names["long"]
 
     def channel(self, replica_id: str, request_id: str = "c1"):
         from ray.serve._private.common import RequestMetadata
