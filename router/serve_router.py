@@ -17,7 +17,9 @@ Attached to the engine deployment (`request_router_config.request_router_class =
    starts even while the request waits in this router for room on that replica.
 
 `on_request_routed` / `on_request_completed` feed the policy's `on_routed` / `on_finished`, so
-it knows its recent placements before the next stats poll shows them.
+it knows its recent placements before the next stats poll shows them. A request counts in the
+cached queue length of its replica as soon as it is picked for it, not when it is sent
+(`_fulfill_next_pending_request`): Serve picks for a whole burst before sending any of it.
 
 Serve picks within a tier only among replicas whose queue length it has cached; one missing is
 probed in the background, with a 0.1 s deadline. A replica that keeps missing that deadline (a
