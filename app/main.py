@@ -124,6 +124,13 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     ).bind(engine, settings, str(source.model_dir), prepare=source.prepare)
 
 
+# Serve's HAProxy mode, read by the controller and by each replica (an ingress replica then
+# takes HTTP itself): see PROXY_ENV.
+HAPROXY_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
+}
+
 # Ray Serve settings each replica reads at start (the part of RAY_SERVE_THROUGHPUT_OPTIMIZED=1
 # a replica's environment can carry; the proxy and controller read theirs from the environment
 # `serve run` starts in): calls between replicas go over gRPC, and the garbage collector is
@@ -131,8 +138,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
 # a killed ingress's requests were not aborted by the engines' lease sweep and ran on for 3 s
 # (tests/e2e/test_serve.py's chaos test: 0.7 s with the default), so user code keeps its loop.
 REPLICA_ENV = {
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",  # an ingress replica then takes HTTP itself (PROXY_ENV)
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
+    **HAPROXY_ENV,
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
@@ -161,8 +167,7 @@ PASSED_ENV = (*HUB_ENV, hop_log.ENV)
 PROXY_ENV = {
     name: value
     for name, value in {
-        "RAY_SERVE_ENABLE_HA_PROXY": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
+        **HAPROXY_ENV,
         "RAY_SERVE_PROXY_USE_GRPC": "1",
         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
         "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",

@@ -188,7 +188,7 @@ class AffinityRequestRouter(RequestRouter):
         steps on one GPU host, 2 replicas: 323 against 701 requests; 4: 274 against 650)."""
         picked = self._get_pending_request_matching_internal_request_id(request_metadata)
         super()._fulfill_next_pending_request(replica, request_metadata)
-        if picked is not None and picked.future.done() and not picked.future.cancelled():
+        if picked is not None:  # a pending request's: the base class has just fulfilled it
             self._count_send(replica.replica_id)
             self._counted[replica.replica_id] = self._counted.get(replica.replica_id, 0) + 1
 
