@@ -118,7 +118,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     )
     # The ingress only streams; it should never be what limits the fleet's concurrency.
     return Ingress.options(  # type: ignore[attr-defined]  # a Deployment, as above
-        ray_actor_options={"runtime_env": {"env_vars": replica_env()}},
+        ray_actor_options={"runtime_env": {"env_vars": replica_env(INGRESS_ENV)}},
         num_replicas=args.ingress_replicas(device),
         max_ongoing_requests=args.max_ongoing_requests * args.num_replicas,
     ).bind(engine, settings, str(source.model_dir), prepare=source.prepare)
@@ -143,6 +143,13 @@ REPLICA_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
 }
+
+
+# An ingress replica's user code (the API and the engine client, which blocks no loop: prompts
+# are tokenized on worker threads) runs on the replica's main loop, with its HTTP server and
+# Ray's calls, as in throughput mode: no hop between two loops for each request and each chunk
+# sent. The engine replicas keep their user loop (above).
+INGRESS_ENV = {**REPLICA_ENV, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 # The hub the builder pinned adapters on is the one replicas download them from. HF_TOKEN is not
@@ -178,10 +185,10 @@ PROXY_ENV = {
 CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": PROXY_ENV}}
 
 
-def replica_env() -> dict[str, str]:
+def replica_env(base: dict[str, str] = REPLICA_ENV) -> dict[str, str]:
     """REPLICA_ENV, less what the environment building the app already sets (a user's choice),
     plus the builder's hub settings and hop log (PASSED_ENV) where set."""
-    env = {name: value for name, value in REPLICA_ENV.items() if name not in os.environ}
+    env = {name: value for name, value in base.items() if name not in os.environ}
     return env | {name: os.environ[name] for name in PASSED_ENV if os.environ.get(name)}
 
 

@@ -197,12 +197,14 @@ class OpenAIService:
             timer.tokens(len(first.token_ids))
             raise_engine_error(first)
         except APIError as e:
+            timer.close()
             await close_stream(stream)
             if e.status == 404 and adapter is not None:
                 # Unloaded through another ingress replica: stop sending it from here too.
                 self.registry.remove(adapter)
             raise
         except BaseException:
+            timer.close()
             await close_stream(stream)
             raise
         run = Generation(stream, first, text, len(prompt_ids), timer)

@@ -129,6 +129,7 @@ class Generation:
                 yield delta, self.finish_reason
 
     async def close(self) -> None:
+        self._timer.close()
         await close_stream(self._stream)
 
 

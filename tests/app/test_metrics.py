@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from app.metrics import IngressMetrics
+from app.metrics import TOKEN_COUNT_PERIOD_S, IngressMetrics
 from replicas.deployment import EngineMetrics
 from replicas.engine_stats import EngineStats
 from replicas.errors import ErrorKind
@@ -44,6 +44,27 @@ class TestIngressMetrics:
         assert backend["lorafleet_requests"].records == [
             (1, {"route": "/v1/completions", "status": "200"})
         ]
+
+    def test_output_tokens_are_counted_a_period_at_a_time_and_at_close(self):
+        backend = FakeMetricsBackend()
+        now = [0.0]
+        metrics = IngressMetrics(backend, clock=lambda: now[0])
+        timer = metrics.generation("sql", arrival=0.0)
+        counted = backend["lorafleet_output_tokens"]
+        for i in range(1, 10):  # chunks of 2 tokens every 0.1 s: under a period, none counted
+            now[0] = i * TOKEN_COUNT_PERIOD_S / 10
+            timer.tokens(2)
+        assert counted.records == []
+        now[0] = TOKEN_COUNT_PERIOD_S
+        timer.tokens(2)  # a period since the request arrived: its 20 tokens at once
+        assert counted.records == [(20, {"model_kind": "adapter"})]
+        now[0] += TOKEN_COUNT_PERIOD_S / 5
+        timer.tokens(3)
+        timer.close()  # the request ends (however it ends): the rest is counted
+        timer.close()  # again (a stop string closes it, then the response does): nothing more
+        assert counted.values() == [20, 3]
+        # Latencies are observed a chunk at a time as before.
+        assert len(backend["lorafleet_inter_token_latency_seconds"].records) == 10
 
     async def test_requests_are_counted_by_route_and_status(self, tokenizer):
         backend = FakeMetricsBackend()

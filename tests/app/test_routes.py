@@ -9,12 +9,14 @@ import logging
 import pytest
 
 from app.api import ApiSettings, make_api
+from app.metrics import IngressMetrics
 from replicas.errors import ErrorKind
 from replicas.protocol import EngineError
 from tests.app.conftest import (
     BASE,
     MAX_MODEL_LEN,
     FakeEngine,
+    FakeMetricsBackend,
     make_client,
     sse_events,
     text_chunks,
@@ -514,7 +516,8 @@ class TestClientDisconnect:
 
     async def test_disconnect_while_the_engine_is_generating(self, tokenizer):
         engine = FakeEngine(text_chunks("Hello"), hang=True)
-        api = make_api(engine, tokenizer, _settings())
+        backend = FakeMetricsBackend()
+        api = make_api(engine, tokenizer, _settings(), metrics=IngressMetrics(backend))
         body = json.dumps({"model": BASE, "prompt": "a", "stream": True}).encode()
         first_text_sent = asyncio.Event()
         messages = iter([{"type": "http.request", "body": body, "more_body": False}])
@@ -533,6 +536,9 @@ class TestClientDisconnect:
         await asyncio.wait_for(api(_asgi_scope("/v1/completions", "2.3"), receive, send), HANG_S)
         assert len(engine.requests) == 1
         assert engine.aborted == [engine.requests[0].request_id]
+        # The tokens it was sent are counted though it never finished (counted at its close).
+        assert backend["lorafleet_output_tokens"].values() == [len("Hello")]
+        assert backend["lorafleet_request_latency_seconds"].records == []
 
     async def test_serve_signals_the_disconnect_by_raising_from_receive(self, tokenizer):
         from ray.exceptions import TaskCancelledError
