@@ -12,7 +12,8 @@ then read both:
 A request's hops, in order: `proxy` (the proxy's access line: its end less its duration, when
 the proxy began the request), `ingress_asgi` (the ingress app called, before the body is
 read), `ingress_handler` (the body parsed and validated), `engine_call` (tokenized, handed to
-the engine deployment's router), `engine_in` (the engine replica's `generate` began),
+the engine deployment's router), `engine_routed` (the affinity router picked its replica),
+`engine_in` (the engine replica's `generate` began),
 `engine_first` (its first chunk), `ingress_first` (that chunk back in the ingress). Requests
 group into bursts by their first hop (a gap over a second starts a new one); for each burst
 the table gives every hop's start after the burst's first request (quantiles over its
@@ -36,6 +37,7 @@ HOPS = (
     "ingress_asgi",
     "ingress_handler",
     "engine_call",
+    "engine_routed",
     "engine_in",
     "engine_first",
     "ingress_first",

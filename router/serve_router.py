@@ -54,6 +54,7 @@ from typing import Any
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from replicas import hop_log
 from router.hints import HINT_INTERVAL_S, HintSender, board_name, lookup_board
 from router.policy import AffinityPolicy
 from router.queue_lengths import QueueLengthFeed
@@ -189,6 +190,7 @@ class AffinityRequestRouter(RequestRouter):
         picked = self._get_pending_request_matching_internal_request_id(request_metadata)
         super()._fulfill_next_pending_request(replica, request_metadata)
         if picked is not None:  # a pending request's: the base class has just fulfilled it
+            hop_log.stamp("engine_routed", request_metadata.request_id)
             self._count_send(replica.replica_id)
             self._counted[replica.replica_id] = self._counted.get(replica.replica_id, 0) + 1
 
