@@ -664,6 +664,26 @@ class TestRequestRouter:
         router.on_send_request(long.replica_id)  # a send no pick counted (a broadcast)
         assert router._replica_queue_len_cache.get(long.replica_id) == 5 + names["long"]
 
+    async def test_a_diagnostic_run_stamps_each_pick(self, cached_router, tmp_path, monkeypatch):
+        """With the hop log on, each request's pick is stamped under its Serve request id
+        (`engine_routed`, between the ingress's `engine_call` and the engine's `engine_in`)."""
+        from benchmarks.serve_hops import read_hops
+        from replicas import hop_log
+
+        monkeypatch.setattr(hop_log, "_folder", str(tmp_path))
+        monkeypatch.setattr(hop_log, "_file", None)
+        router = cached_router
+        replicas = [ProbedReplica("a", stats(), answer=0), ProbedReplica("b", stats(), answer=0)]
+        router.update_replicas(replicas)
+        for replica in replicas:
+            router.on_new_queue_len_info(replica.replica_id, 0)
+        burst = [self.pending("", request_id=f"q{i}") for i in range(6)]
+        await asyncio.gather(*(router._choose_replica_for_request(p) for p in burst))
+        hop_log._file.close()
+        hops = read_hops([tmp_path])
+        assert sorted(hops) == [f"q{i}" for i in range(6)]
+        assert all(set(h) == {"engine_routed"} for h in hops.values())
+
     def channel(self, replica_id: str, request_id: str = "c1"):
         from ray.serve._private.common import RequestMetadata
         from ray.serve.request_router import PendingRequest
