@@ -186,8 +186,9 @@ CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": PROXY_ENV}}
 
 
 def replica_env(base: dict[str, str] = REPLICA_ENV) -> dict[str, str]:
-    """REPLICA_ENV, less what the environment building the app already sets (a user's choice),
-    plus the builder's hub settings and hop log (PASSED_ENV) where set."""
+    """`base` (REPLICA_ENV, or INGRESS_ENV for the ingress), less what the environment building
+    the app already sets (a user's choice), plus the builder's hub settings and hop log
+    (PASSED_ENV) where set."""
     env = {name: value for name, value in base.items() if name not in os.environ}
     return env | {name: os.environ[name] for name in PASSED_ENV if os.environ.get(name)}
 
