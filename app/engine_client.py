@@ -99,11 +99,13 @@ class ServeEngineClient(ServeFleetClient):
 
     async def _pump(self, rid: str, response: Any, inbox: asyncio.Queue) -> None:
         """The request's own stream into its inbox; a failed call becomes an error chunk."""
+        import grpc
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import (
             BackPressureError,
             DeploymentUnavailableError,
             ReplicaUnavailableError,
+            RequestCancelledError,
         )
 
         try:
@@ -126,6 +128,14 @@ class ServeEngineClient(ServeFleetClient):
             logger.warning("request %s: engine replica failed: %r", rid, e)
             message = ENGINE_BUSY if isinstance(e, BackPressureError) else ENGINE_FAILED
             inbox.put_nowait(_failed(rid, message))
+        except grpc.aio.AioRpcError as e:
+            # Over gRPC (`Ingress`), a call the replica ended other than by its own reply.
+            logger.warning("request %s: engine call ended: %s %s", rid, e.code(), e.details())
+            inbox.put_nowait(_failed(rid, ENGINE_FAILED))
+        except RequestCancelledError:
+            # Serve cancelled the call: its HTTP client went away (Serve cancels the calls a
+            # request made when it disconnects). Nobody reads the answer.
+            inbox.put_nowait(_failed(rid, ENGINE_FAILED))
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -23,7 +23,7 @@ from app.tokenization import load_tokenizer
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
-__all__ = ["ApiSettings", "Ingress", "make_api", "model_context_length"]
+__all__ = ["ApiSettings", "Ingress", "engine_handle", "make_api", "model_context_length"]
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -43,7 +43,7 @@ class Ingress:
         *,
         prepare: Callable[[], object] | None = None,
     ) -> None:
-        self._engine = engine
+        self._engine = engine_handle(engine)
         self._settings = settings
         self._model_dir = model_dir
         self._prepare = prepare
@@ -59,6 +59,18 @@ class Ingress:
         return make_api(
             ServeEngineClient(self._engine), tokenizer, settings, metrics=IngressMetrics()
         )
+
+
+def engine_handle(handle: DeploymentHandle) -> DeploymentHandle:
+    """The engine's handle, over gRPC where this replica's settings send calls between
+    replicas that way (`RAY_SERVE_USE_GRPC_BY_DEFAULT`, `app.main.REPLICA_ENV`). A handle
+    carries its transport in its options, fixed where it was made: the engine's handle reaches
+    the ingress built by the driver (`serve run`), whose environment lacks the setting, so it
+    would make Ray actor calls. Those cost the ingress about three times the CPU a request in
+    Serve's routing (task submission), docs/perf/serving.md."""
+    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT
+
+    return handle.options(_by_reference=False) if RAY_SERVE_USE_GRPC_BY_DEFAULT else handle
 
 
 def model_context_length(model_dir: str | Path) -> int | None:

@@ -355,6 +355,8 @@ def report(
         "ratios": ratios(rows, args.replicas, wl.published),
         "elapsed_s": time.monotonic() - started,
     }
+    if http.idle_cores is not None:
+        meta["idle_cores"] = http.idle_cores  # serve_http.idle_cores: the roles at rest
     return save(args, wl, rows, meta)
 
 

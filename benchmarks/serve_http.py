@@ -160,6 +160,32 @@ class HttpPhase:
     streams: list[Stream]  # as measured (a sweep's at the goodput rate)
     goodput: Goodput | None = None
     capacity_req_s: float | None = None
+    idle_cores: dict[str, float] | None = None  # idle_cores, before the first stream
+
+
+IDLE_S = 5.0  # how long the serving processes are read with no request in flight
+
+
+async def idle_cores(seconds: float = IDLE_S) -> dict[str, float]:
+    """Cores each role's processes use with no request in flight, over `seconds` (their
+    threads' busiest names beside them): what a role spends whatever the load, which a run's
+    per-token figure holds at its duration's worth."""
+    processes = await asyncio.to_thread(
+        serving_processes, APP_NAME, INGRESS_DEPLOYMENT, ENGINE_DEPLOYMENT
+    )
+    before, threads_before = read_all(processes), read_threads(processes)
+    await asyncio.sleep(seconds)
+    after, threads_after = read_all(processes), read_threads(processes)
+    cores: dict[str, float] = {}
+    for p in processes:
+        if p.pid in before and p.pid in after:
+            cores[p.role] = cores.get(p.role, 0.0) + (after[p.pid] - before[p.pid]) / seconds
+    threads = busiest_threads(processes, threads_before, threads_after, top=4)
+    return {
+        **{role: round(c, 4) for role, c in sorted(cores.items())},
+        **{f"{role} threads": [(n, round(s / seconds, 4)) for n, s in names]
+           for role, names in sorted(threads.items())},  # fmt: skip
+    }
 
 
 async def http_phase(
@@ -190,15 +216,19 @@ async def http_phase(
         if failed:
             raise RuntimeError(f"{len(failed)} warm-up requests failed: {failed[0].error}")
         await asyncio.sleep(1.0)  # residency reports reach the router
+        idle = await idle_cores()
+        print("idle cores", json.dumps(idle), flush=True)
         if wl.sweep_steps:
-            return await sweep(client, handle, wl, work[0], timeout_s)
+            phase = await sweep(client, handle, wl, work[0], timeout_s)
+            phase.idle_cores = idle
+            return phase
         measured = {}
         for k, stream in enumerate(work):
             profile = profile_dir if k == profile_stream else None
             measured[stream.label] = await http_run(client, handle, stream, profile, profile_s)
             print(stream.label, json.dumps(row(stream.label, "http", measured[stream.label])),
                   flush=True)  # fmt: skip
-        return HttpPhase(measured, work)
+        return HttpPhase(measured, work, idle_cores=idle)
 
 
 async def sweep(client, handle, wl: Workload, stream: Stream, timeout_s: float) -> HttpPhase:

@@ -6,6 +6,7 @@ nothing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -167,4 +168,58 @@ async def test_closing_a_request_cancels_its_call_and_forgets_it(client_for):
     await stream.aclose()
     assert handle.responses[0].cancelled
     assert not client._inboxes and not client._replica_of
+    await client.close()
+
+
+class FailingHandle(FakeHandle):
+    """A request's stream that fails with `error` before its first chunk."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__("ok")
+        self.error = error
+
+    async def _request(self, request: GenerateRequest):
+        raise self.error
+        yield  # a generator
+
+
+def _call_ended() -> BaseException:
+    import grpc
+
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "stream reset"
+    )
+
+
+def _cancelled_by_serve() -> BaseException:
+    from ray.serve.exceptions import RequestCancelledError
+
+    return RequestCancelledError("r1")
+
+
+@pytest.mark.parametrize(
+    "make_error, logged",
+    [(_call_ended, ["WARNING"]), (_cancelled_by_serve, [])],
+    ids=["grpc-call-ended", "serve-cancelled"],
+)
+async def test_a_request_stream_ended_by_its_transport_fails_the_request_quietly(
+    client_for, caplog, make_error, logged
+):
+    """Over gRPC a call can end with the transport's own error (the replica's process gone) or
+    with Serve's cancellation (the HTTP client left): the request ends with the engine-failed
+    error, and the log has a warning at most, no traceback."""
+    client = client_for(FailingHandle(make_error()))
+    serve_logger = logging.getLogger("ray.serve")  # Ray's; it does not propagate
+    serve_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="ray.serve"):
+            chunks = [c async for c in client.generate(request())]
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    assert len(chunks) == 1 and chunks[0].finish_reason == "error"
+    assert chunks[0].error is not None and chunks[0].error.message == engine_client.ENGINE_FAILED
+    assert chunks[0].error.kind is ErrorKind.UNAVAILABLE
+    levels = [r.levelname for r in caplog.records]
+    assert "ERROR" not in levels and all(r.exc_info is None for r in caplog.records)
+    assert levels == logged
     await client.close()

@@ -10,7 +10,7 @@ import pytest
 import app.demo
 from app.api import ApiSettings
 from app.demo import DemoAssets
-from app.main import build_app, replicas_per_proxy, resolve_device
+from app.main import REPLICA_ENV, build_app, replicas_per_proxy, resolve_device
 from replicas.config import EngineConfig
 from tests.app.conftest import write_adapter
 
@@ -271,3 +271,28 @@ def test_host_cache_byte_budget_reaches_the_engine(tmp_path):
     assert config.max_loaded_lora_bytes == 3 * 2**29
     with pytest.raises(ValueError):
         AppArgs(max_loaded_lora_gib=0)
+
+
+@pytest.mark.parametrize("grpc_on", [True, False])
+def test_the_ingress_calls_the_engine_over_grpc_when_its_replicas_are_set_to(
+    monkeypatch, grpc_on
+):
+    """The engine's handle reaches the ingress with the transport of the process that made it
+    (the driver's: actor calls); the ingress takes gRPC itself when REPLICA_ENV asks for it."""
+    import ray.serve._private.constants as serve_constants
+
+    from app.ingress import engine_handle
+
+    class Handle:
+        def __init__(self) -> None:
+            self.options_given: list[dict] = []
+
+        def options(self, **kwargs):
+            self.options_given.append(kwargs)
+            return self
+
+    monkeypatch.setattr(serve_constants, "RAY_SERVE_USE_GRPC_BY_DEFAULT", grpc_on)
+    handle = Handle()
+    assert engine_handle(handle) is handle  # type: ignore[arg-type]
+    assert handle.options_given == ([{"_by_reference": False}] if grpc_on else [])
+    assert REPLICA_ENV["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
