@@ -96,8 +96,22 @@ class ChaosLog:
 # Processes
 
 
+EXIT_WAIT_S = 5.0  # how long kill_9 waits for its victim to have exited
+
+
+def exited(pid: int) -> bool:
+    """The process is gone or a zombie: it has exited and its sockets are closed."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X")
+
+
 def kill_9(app: str, deployment: str, rng: random.Random) -> ServingProcess:
-    """SIGKILL one replica of `deployment`, found in Ray's actor table; returns it."""
+    """SIGKILL one replica of `deployment`, found in Ray's actor table, and return once it has
+    exited (a process with many threads takes tens of milliseconds to; until then it still
+    answers on its sockets)."""
     role = {ENGINE: "engine", INGRESS: "ingress"}[deployment]
     found = serving_processes(app, INGRESS, ENGINE)
     replicas = [p for p in found if p.role == role and not p.spawned]  # the actors themselves
@@ -105,6 +119,9 @@ def kill_9(app: str, deployment: str, rng: random.Random) -> ServingProcess:
         raise RuntimeError(f"no process of {app}/{deployment} found")
     victim = rng.choice(replicas)
     os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while not exited(victim.pid) and time.monotonic() < deadline:
+        time.sleep(0.002)
     return victim
 
 

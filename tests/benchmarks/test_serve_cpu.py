@@ -68,3 +68,26 @@ def test_tcp_counters_read_the_kernels_tcpext_table(tmp_path):
         "ListenOverflows": 7, "ListenDrops": 9, "TCPSynRetrans": 12,
     }  # fmt: skip
     assert tcp_counters(str(tmp_path / "absent")) == {}
+
+
+def test_kill_9_returns_once_its_victim_has_exited(monkeypatch):
+    """The chaos run times a kill from the victim's exit, not from the signal: a process still
+    answers on its sockets until it has exited."""
+    import random
+    import subprocess
+    import sys
+
+    import benchmarks.bench_chaos as chaos
+    from benchmarks.serve_cpu import ServingProcess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        victim = ServingProcess("ingress", child.pid, "actor-1")
+        monkeypatch.setattr(chaos, "serving_processes", lambda *_: [victim])
+        assert not chaos.exited(child.pid)
+        assert chaos.kill_9("app", chaos.INGRESS, random.Random(0)) == victim
+        assert chaos.exited(child.pid)  # a zombie until reaped: exited all the same
+    finally:
+        child.kill()
+        child.wait()
+    assert chaos.exited(child.pid)  # reaped: gone
