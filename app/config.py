@@ -254,6 +254,18 @@ class AppArgs(BaseModel):
             "0: no cap."
         ),
     )
+    max_replica_chunks_per_s: float = Field(
+        default=1000.0,
+        ge=0.0,
+        description=(
+            "Stream chunks a second, after each stream's first, that one engine replica may "
+            "send in all (and within max_proxy_chunks_per_s's share). Where its running streams "
+            "would send more at stream_interval_ms, its interval grows to fit (at most 0.5 s): "
+            "each chunk costs about the same CPU in the ingress and the proxy whatever it "
+            "carries, so a saturated replica's 128 streams send 8 chunks a second each, not 20. "
+            "Fewer streams keep stream_interval_ms. 0: no cap."
+        ),
+    )
     max_ongoing_requests: int = Field(
         default=1024,
         ge=1,
@@ -446,8 +458,15 @@ class AppArgs(BaseModel):
             eviction_policy=self.eviction_policy,
             timed_steps=self.timed_steps,
             stream_interval_s=self.stream_interval_ms / 1000,
-            max_stream_chunks_per_s=self.max_proxy_chunks_per_s / replicas_per_proxy,
+            max_stream_chunks_per_s=self.replica_chunk_budget(replicas_per_proxy),
         )
+
+    def replica_chunk_budget(self, replicas_per_proxy: int = 1) -> float:
+        """Chunks a second one engine replica may send: max_replica_chunks_per_s, or its share
+        of max_proxy_chunks_per_s if less (0 for either: that cap is off; 0 when both are)."""
+        caps = [c for c in (self.max_replica_chunks_per_s,
+                            self.max_proxy_chunks_per_s / replicas_per_proxy) if c > 0]  # fmt: skip
+        return min(caps, default=0.0)
 
 
 def args_table() -> str:

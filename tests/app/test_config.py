@@ -129,16 +129,24 @@ class TestAppArgs:
         config = AppArgs(stream_interval_ms=0, timed_steps="/c.json").to_engine_config("/m", "cpu")
         assert (config.stream_interval_s, config.timed_steps) == (0.0, "/c.json")
 
-    def test_each_replica_takes_its_share_of_a_proxys_chunks(self):
-        assert AppArgs().to_engine_config("/m", "cuda").max_stream_chunks_per_s == 4000.0
-        args = AppArgs(max_proxy_chunks_per_s=6000)
-        assert args.to_engine_config("/m", "cuda", 4).max_stream_chunks_per_s == 1500.0
-        uncapped = AppArgs(max_proxy_chunks_per_s=0).to_engine_config("/m", "cuda", 4)
-        assert uncapped.max_stream_chunks_per_s == 0
+    def test_each_replica_takes_its_share_of_a_proxys_chunks_within_its_own_cap(self):
+        def budget(replicas: int = 1, **fields) -> float:
+            config = AppArgs(**fields).to_engine_config("/m", "cuda", replicas)
+            return config.max_stream_chunks_per_s
+
+        assert budget() == 1000.0  # the replica's own cap, under a whole proxy's 4,000
+        assert budget(4) == 1000.0 and budget(8) == 500.0  # a proxy's share, when less
+        assert budget(4, max_proxy_chunks_per_s=6000, max_replica_chunks_per_s=0) == 1500.0
+        assert budget(4, max_proxy_chunks_per_s=0) == 1000.0
+        assert budget(4, max_proxy_chunks_per_s=0, max_replica_chunks_per_s=0) == 0  # uncapped
+        assert budget(1, max_replica_chunks_per_s=2500) == 2500.0
+        args = AppArgs()
         with pytest.raises(ValueError, match="replicas_per_proxy"):
             args.to_engine_config("/m", "cuda", 0)
         with pytest.raises(ValidationError, match="max_proxy_chunks_per_s"):
             AppArgs(max_proxy_chunks_per_s=-1)
+        with pytest.raises(ValidationError, match="max_replica_chunks_per_s"):
+            AppArgs(max_replica_chunks_per_s=-1)
 
     @pytest.mark.parametrize(
         ("fields", "mode"),
