@@ -90,6 +90,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         "num_replicas": args.num_replicas,
         "max_ongoing_requests": args.max_ongoing_requests,
         "request_router_config": request_router_config(args),
+        # No access line a call: each HTTP request has its own from the ingress, and an engine
+        # call's line (two log writes, to file and stderr, then shipped to the driver) cost the
+        # engine replica about 2% of its CPU a request. Failed calls are still logged.
+        "logging_config": {"enable_access_log": False},
     }
     actor_options: dict[str, Any] = {"runtime_env": {"env_vars": replica_env()}}
     if device == "cuda":

@@ -10,8 +10,10 @@ so requests are told apart only by `model_kind` ("base" or "adapter").
 - `lorafleet_time_to_first_token_seconds{model_kind}`: arrival at the ingress to the first
   generated token.
 - `lorafleet_inter_token_latency_seconds{model_kind}`: between output tokens after the first,
-  observed once per chunk: a chunk of n tokens gives its wait over n (one observation, not n:
-  Ray's histograms take one value a call, and a call per token cost the ingress dearly).
+  observed once per `TOKEN_COUNT_PERIOD_S` of a request's stream and when it ends: the time
+  from the period's first token's predecessor to its last, over its tokens (a mean, not one
+  value a token or a chunk: Ray's histograms take one value a call, and a call a chunk cost the
+  ingress about 10 µs a token).
 - `lorafleet_request_latency_seconds{model_kind}`: arrival to the last token.
 - `lorafleet_output_tokens{model_kind}`, `lorafleet_prompt_tokens{model_kind}`: tokens; their
   rate is tokens/s. A request's output tokens are added up and counted at most
@@ -30,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LATENCY_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TOKEN_GAP_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
-TOKEN_COUNT_PERIOD_S = 1.0  # a request's output tokens wait at most this long to be counted
+TOKEN_COUNT_PERIOD_S = 1.0  # a request's output tokens and gaps wait at most this long
 REQUEST_BUCKETS_S = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 
 
@@ -91,14 +93,16 @@ class IngressMetrics:
 class GenerationTimer:
     """The timing of one generation: `tokens(n)` as each engine chunk arrives, `finished()`
     once when the request ends normally (not for a client gone), `close()` once however it
-    ends (counts the output tokens not yet counted)."""
+    ends (counts the output tokens and the token gaps not yet counted)."""
 
     def __init__(self, metrics: IngressMetrics, kind: str, arrival: float) -> None:
         self._m = metrics
         self._tags = {"model_kind": kind}
         self._arrival = arrival
-        self._last: float | None = None
+        self._last: float | None = None  # when the latest token came
         self._uncounted = 0  # output tokens not yet added to the counter
+        self._gap_from = arrival  # the token before the gaps not yet observed
+        self._gap_tokens = 0  # tokens since then
         self._counted_at = arrival
 
     def admitted(self, num_prompt_tokens: int) -> None:
@@ -111,10 +115,11 @@ class GenerationTimer:
         now = self._m.clock()
         if self._last is None:
             self._m.time_to_first_token.observe(now - self._arrival, tags=self._tags)
+            self._gap_from = now
         else:
-            self._m.inter_token_latency.observe((now - self._last) / n, tags=self._tags)
-        self._last = now
+            self._gap_tokens += n
         self._uncounted += n
+        self._last = now
         if now - self._counted_at >= TOKEN_COUNT_PERIOD_S:
             self._count(now)
 
@@ -122,6 +127,10 @@ class GenerationTimer:
         if self._uncounted:
             self._m.output_tokens.inc(self._uncounted, tags=self._tags)
             self._uncounted = 0
+        if self._gap_tokens and self._last is not None:
+            gap = (self._last - self._gap_from) / self._gap_tokens
+            self._m.inter_token_latency.observe(gap, tags=self._tags)
+            self._gap_from, self._gap_tokens = self._last, 0
         self._counted_at = now
 
     def close(self) -> None:

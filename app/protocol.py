@@ -149,15 +149,18 @@ def body_problem(data: Any) -> str | None:
             for key, item in value.items():
                 if isinstance(key, str) and not _is_unicode(key):
                     return f"a key in {_dotted(where)} holds {_SURROGATE}"
-                if isinstance(item, str | dict | list):
+                if type(item) in _WALKED:
                     stack.append(((*where, key), item))
         elif isinstance(value, list):
             stack.extend(
-                ((*where, i), item)
-                for i, item in enumerate(value)
-                if isinstance(item, str | dict | list)
+                ((*where, i), item) for i, item in enumerate(value) if type(item) in _WALKED
             )
     return None
+
+
+# What json.loads makes that holds text: exact types, so a set lookup stands in for isinstance
+# (a prompt of 400 token ids is walked in ~10 µs rather than ~90).
+_WALKED = frozenset({str, dict, list})
 
 
 _SURROGATE = (

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -146,6 +146,8 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        # Every transformers tokenizer has `_decode` (one sequence's `decode`); `decode` if not.
+        self._raw_decode = cast(Callable[..., str], getattr(tokenizer, "_decode", tokenizer.decode))
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         if REPLACEMENT_CHAR in self._decode(context):
@@ -155,10 +157,10 @@ class IncrementalDetokenizer:
         self._read = len(context)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        # transformers types `decode` for batches too: a flat id list decodes to one str
-        return self._tokenizer.decode(  # type: ignore[return-value]
-            list(ids), skip_special_tokens=self._skip_special_tokens
-        )
+        # A list of ints needs none of `decode`'s conversions (tensors, arrays, batches): its
+        # `_decode` (special tokens and clean-up as `decode` has them) is 2 µs a call instead
+        # of 5, twice a chunk.
+        return self._raw_decode(list(ids), skip_special_tokens=self._skip_special_tokens)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Append `token_ids`; return the text they complete (maybe empty)."""

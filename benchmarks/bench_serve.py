@@ -57,7 +57,7 @@ from benchmarks.serve_workloads import (
     streams,
     warmup_specs,
 )
-from loadgen import RequestSpec, summarize
+from loadgen import LengthRange, RequestSpec, summarize
 from replicas.models.spec import ModelSpec
 from synthetic.adapters import write_fleet
 from synthetic.models import write_model
@@ -170,6 +170,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replicas", type=int, default=1, help="num_replicas: one GPU each")
     ap.add_argument("--num-requests", type=int, default=None, help="override the workload's")
     ap.add_argument(
+        "--output-len",
+        default=None,
+        metavar="N or LO:HI",
+        help="override the workload's output lengths (e.g. 16: per-request costs show)",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -234,6 +240,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     wl = (SMOKE if args.smoke else WORKLOADS)[args.workload]
     if args.num_requests is not None:
         wl = replace(wl, num_requests=args.num_requests)
+    if args.output_len is not None:
+        try:
+            wl = replace(wl, output_len=LengthRange.parse(args.output_len))
+        except ValueError as e:
+            ap.error(f"--output-len: {e}")
     args.overrides = parse_set(args.set)
     if not 0.0 <= args.host_share <= 1.0:
         ap.error("--host-share is a share of a step, in [0, 1]")

@@ -23,6 +23,7 @@ from replicas.deployment.metrics import EngineMetrics
 from replicas.deployment.stats import ReplicaStats, routing_stats_dict, served_adapters_dict
 from replicas.engine import Engine, RequestRejected
 from replicas.engine_core import build_core
+from replicas.engine_loop import EngineStopped
 from replicas.engine_stats import RoutingStats
 from replicas.errors import ErrorKind
 from replicas.leases import CallerLeases
@@ -384,12 +385,16 @@ class _Residency(NamedTuple):
 
 
 async def _every(period_s: float, work: Callable[[], Awaitable[object]], what: str) -> None:
-    """Run `work` every `period_s` until cancelled; a failure is logged and the loop goes on."""
+    """Run `work` every `period_s` until cancelled or the engine stops (the health check reports
+    a stopped engine; a replica shutting down stops its engine before these tasks see their
+    cancellation); any other failure is logged and the loop goes on."""
     while True:
         try:
             await work()
         except asyncio.CancelledError:
             raise
+        except EngineStopped:
+            return
         except Exception:
             logger.exception("%s failed", what)
         await asyncio.sleep(period_s)

@@ -64,6 +64,9 @@ class TestBuildApp:
         assert engine.num_replicas == 3
         assert engine.max_ongoing_requests == 100
         assert "num_gpus" not in (engine.ray_actor_options or {})
+        # The ingress logs each HTTP request; the engine's calls are not logged again.
+        assert engine.logging_config["enable_access_log"] is False
+        assert ingress.logging_config is None or ingress.logging_config["enable_access_log"]
         assert isinstance(settings, ApiSettings)
         assert settings.served_model_name == "my-model"
         assert settings.adapters == {"sql": str(tmp_path / "sql")}

@@ -36,7 +36,8 @@ class TestIngressMetrics:
         adapter = {"model_kind": "adapter"}
         # Clock reads: arrival 0, first chunk 0.5, then 1.0 and 1.5, finish 2.0.
         assert backend["lorafleet_time_to_first_token_seconds"].records == [(0.5, adapter)]
-        # One observation a chunk: "lo" (2 tokens, 0.5 s after "Hel"), then "!" (1 token).
+        # "lo" (2 tokens, 0.5 s after "Hel") comes a period after the arrival: its gaps are
+        # observed then; "!" (1 token, 0.5 s later) when the request closes.
         assert backend["lorafleet_inter_token_latency_seconds"].values() == [0.25, 0.5]
         assert backend["lorafleet_request_latency_seconds"].records == [(2.0, adapter)]
         assert backend["lorafleet_output_tokens"].total(model_kind="adapter") == 6
@@ -45,7 +46,7 @@ class TestIngressMetrics:
             (1, {"route": "/v1/completions", "status": "200"})
         ]
 
-    def test_output_tokens_are_counted_a_period_at_a_time_and_at_close(self):
+    def test_output_tokens_and_gaps_are_counted_a_period_at_a_time_and_at_close(self):
         backend = FakeMetricsBackend()
         now = [0.0]
         metrics = IngressMetrics(backend, clock=lambda: now[0])
@@ -63,8 +64,10 @@ class TestIngressMetrics:
         timer.close()  # the request ends (however it ends): the rest is counted
         timer.close()  # again (a stop string closes it, then the response does): nothing more
         assert counted.values() == [20, 3]
-        # Latencies are observed a chunk at a time as before.
-        assert len(backend["lorafleet_inter_token_latency_seconds"].records) == 10
+        # The token gaps too: the first chunk (0.1 s) starts them; 18 tokens over the next
+        # 0.9 s at the period's end, then 3 over 0.2 s at close.
+        gaps = backend["lorafleet_inter_token_latency_seconds"].values()
+        assert gaps == pytest.approx([0.9 / 18, 0.2 / 3])
 
     async def test_requests_are_counted_by_route_and_status(self, tokenizer):
         backend = FakeMetricsBackend()
