@@ -122,7 +122,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     )
     # The ingress only streams; it should never be what limits the fleet's concurrency.
     return Ingress.options(  # type: ignore[attr-defined]  # a Deployment, as above
-        ray_actor_options={"runtime_env": {"env_vars": replica_env(INGRESS_ENV)}},
+        ray_actor_options={"runtime_env": {"env_vars": replica_env()}},
         num_replicas=args.ingress_replicas(device),
         max_ongoing_requests=args.max_ongoing_requests * args.num_replicas,
     ).bind(engine, settings, str(source.model_dir), prepare=source.prepare)
@@ -137,23 +137,21 @@ HAPROXY_ENV = {
 
 # Ray Serve settings each replica reads at start (the part of RAY_SERVE_THROUGHPUT_OPTIMIZED=1
 # a replica's environment can carry; the proxy and controller read theirs from the environment
-# `serve run` starts in): calls between replicas go over gRPC, and the garbage collector is
-# frozen after start. Throughput mode also runs user code on the replica's main loop; with that,
-# a killed ingress's requests were not aborted by the engines' lease sweep and ran on for 3 s
-# (tests/e2e/test_serve.py's chaos test: 0.7 s with the default), so user code keeps its loop.
+# `serve run` starts in): calls between replicas go over gRPC, the garbage collector is frozen
+# after start, and user code runs on the replica's main loop, with its HTTP server (an
+# ingress's) and Ray's calls: no hop between two loops for each request, chunk and channel
+# batch. No replica's user code blocks its loop (prompts are tokenized, ledgers and Ray's GCS
+# read on worker threads; the engine's work is on its own thread or process). On the 2-core CPU
+# the engines' main loop took 1.6-2 ms off the timed seeds TTFT P50 and 7 µs a token off their
+# CPU (docs/perf/serving.md). Before the ingress called its engines over gRPC, a killed ingress
+# stalled an engine's main loop for about 2 s; its streams now close with it.
 REPLICA_ENV = {
     **HAPROXY_ENV,
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
-
-
-# An ingress replica's user code (the API and the engine client, which blocks no loop: prompts
-# are tokenized on worker threads) runs on the replica's main loop, with its HTTP server and
-# Ray's calls, as in throughput mode: no hop between two loops for each request and each chunk
-# sent. The engine replicas keep their user loop (above).
-INGRESS_ENV = {**REPLICA_ENV, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 # The hub the builder pinned adapters on is the one replicas download them from. HF_TOKEN is not
@@ -190,7 +188,7 @@ CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": PROXY_ENV}}
 
 
 def replica_env(base: dict[str, str] = REPLICA_ENV) -> dict[str, str]:
-    """`base` (REPLICA_ENV, or INGRESS_ENV for the ingress), less what the environment building
+    """`base` (REPLICA_ENV for every replica), less what the environment building
     the app already sets (a user's choice), plus the builder's hub settings and hop log
     (PASSED_ENV) where set."""
     env = {name: value for name, value in base.items() if name not in os.environ}

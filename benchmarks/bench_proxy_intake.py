@@ -7,7 +7,7 @@ waits, by hop").
 
 Serve is started with the app's own proxy settings (`app.main.CONTROLLER_OPTIONS`: HAProxy in
 front, or Serve's proxy with `RAY_SERVE_ENABLE_HA_PROXY=0` set, each access line written at
-once) and ingress settings (`app.main.INGRESS_ENV`), in front of an ingress that does nothing:
+once) and ingress settings (`app.main.REPLICA_ENV`), in front of an ingress that does nothing:
 a FastAPI route that stamps when it was called (`replicas.hop_log`), streams one event, holds
 the stream `--hold-s` (so every request of the burst is open at once, as under a saturated
 load) and ends. A warm-up burst, then the measured one, all sent at once by one load
@@ -46,10 +46,10 @@ def build_ingress(stamps: str, hold_s: float, num_replicas: int) -> Any:
     from fastapi.responses import StreamingResponse
     from ray import serve
 
-    from app.main import INGRESS_ENV, replica_env
+    from app.main import replica_env
 
     api = FastAPI()
-    env = replica_env(INGRESS_ENV) | {hop_log.ENV: stamps}
+    env = replica_env() | {hop_log.ENV: stamps}
 
     @serve.deployment(
         max_ongoing_requests=100_000,

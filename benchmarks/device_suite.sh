@@ -18,6 +18,12 @@
 #   bash benchmarks/device_suite.sh serve-process                # saturated, then seeds: the
 #   bash benchmarks/device_suite.sh serve-seeds-process          #   engine loop on a thread, then
 #                                                                #   in a process (one a call)
+#   bash benchmarks/device_suite.sh serve-split                  # the served path's CPU a token:
+#                                                                #   saturated (HTTP), then every
+#                                                                #   replica's user code on a
+#                                                                #   thread of its own, then
+#                                                                #   16-token outputs (per request
+#                                                                #   against per token); ~6 min
 #   bash benchmarks/device_suite.sh serve-2x                     #   saturated on 2 GPUs
 #   bash benchmarks/device_suite.sh serve-scale                  # saturated on 1, 2 and 4 GPUs
 #                                                                #   of one machine, 512 requests
@@ -184,6 +190,16 @@ for s in "$@"; do
                 --set engine_process=false --name "${workload}_thread" --out "$OUT"
             stage "$s-process" 250 python -m benchmarks.bench_serve --workload "$workload" \
                 --set engine_process=true --http-only --name "${workload}_process" --out "$OUT" ;;
+        serve-split)  # where the served path's CPU goes, one machine: HTTP only, each run
+            # against the first (user code on each replica's main loop by default)
+            stage serve-split-default 170 python -m benchmarks.bench_serve --workload saturated \
+                --http-only --name saturated_split_default --out "$OUT"
+            RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1 stage serve-split-user-thread 170 \
+                python -m benchmarks.bench_serve --workload saturated --http-only \
+                --name saturated_split_user_thread --out "$OUT"
+            stage serve-split-out16 170 python -m benchmarks.bench_serve --workload saturated \
+                --http-only --output-len 16 --num-requests 1024 --name saturated_split_out16 \
+                --out "$OUT" ;;
         serve-2x)  # needs 2 GPUs
             stage serve-2x 570 python -m benchmarks.bench_serve --workload saturated --replicas 2 \
                 --out "$OUT" ;;

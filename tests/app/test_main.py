@@ -76,23 +76,23 @@ class TestBuildApp:
     def test_replicas_start_with_serves_fast_path_unless_the_environment_says(
         self, model_dir, monkeypatch
     ):
-        from app.main import INGRESS_ENV, REPLICA_ENV
+        from app.main import REPLICA_ENV
 
         user_thread = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
         monkeypatch.delenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", raising=False)
         monkeypatch.delenv(user_thread, raising=False)
         ingress, *_, engine, _, _ = bound(build_app({"model": str(model_dir)}))
         assert engine.ray_actor_options["runtime_env"]["env_vars"] == REPLICA_ENV
-        assert ingress.ray_actor_options["runtime_env"]["env_vars"] == INGRESS_ENV
+        assert ingress.ray_actor_options["runtime_env"]["env_vars"] == REPLICA_ENV
         assert REPLICA_ENV["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
-        # The ingress's user code runs on its main loop; the engine's keeps a loop of its own.
-        assert INGRESS_ENV == {**REPLICA_ENV, user_thread: "0"}
-        assert user_thread not in REPLICA_ENV
+        # Every replica's user code runs on its main loop.
+        assert REPLICA_ENV[user_thread] == "0"
         monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")  # the user's choice stays
         monkeypatch.setenv(user_thread, "1")
-        ingress, *_ = bound(build_app({"model": str(model_dir)}))
-        env = ingress.ray_actor_options["runtime_env"]["env_vars"]
-        assert "RAY_SERVE_USE_GRPC_BY_DEFAULT" not in env and user_thread not in env
+        ingress, *_, engine, _, _ = bound(build_app({"model": str(model_dir)}))
+        for replica in (ingress, engine):
+            env = replica.ray_actor_options["runtime_env"]["env_vars"]
+            assert "RAY_SERVE_USE_GRPC_BY_DEFAULT" not in env and user_thread not in env
 
     def test_timed_steps_run_on_cpu_from_an_absolute_path(self, model_dir, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
