@@ -187,11 +187,11 @@ PROXY_ENV = {
 CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": PROXY_ENV}}
 
 
-def replica_env(base: dict[str, str] = REPLICA_ENV) -> dict[str, str]:
-    """`base` (REPLICA_ENV for every replica), less what the environment building
-    the app already sets (a user's choice), plus the builder's hub settings and hop log
-    (PASSED_ENV) where set."""
-    env = {name: value for name, value in base.items() if name not in os.environ}
+def replica_env() -> dict[str, str]:
+    """Every replica's environment: REPLICA_ENV, less what the environment building the app
+    already sets (a user's choice), plus the builder's hub settings and hop log (PASSED_ENV)
+    where set."""
+    env = {name: value for name, value in REPLICA_ENV.items() if name not in os.environ}
     return env | {name: os.environ[name] for name in PASSED_ENV if os.environ.get(name)}
 
 

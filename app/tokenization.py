@@ -145,7 +145,6 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
         # Every transformers tokenizer has `_decode` (one sequence's `decode`); `decode` if not.
         self._raw_decode = cast(Callable[..., str], getattr(tokenizer, "_decode", tokenizer.decode))
         self._skip_special_tokens = skip_special_tokens
