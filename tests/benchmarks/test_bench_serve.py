@@ -343,6 +343,20 @@ class TestReport:
             assert json.loads(path.with_suffix(".json").read_text())["goodput"] == goodput
 
 
+class TestOutputLength:
+    def test_overrides_the_workloads_outputs(self):
+        spec = parse_args(["--workload", "saturated", "--output-len", "16"]).spec
+        assert (spec.output_len.low, spec.output_len.high) == (16, 16)
+        spec = parse_args(["--workload", "seeds", "--output-len", "8:32"]).spec
+        assert (spec.output_len.low, spec.output_len.high) == (8, 32)
+
+    @pytest.mark.parametrize("bad", ["0", "a", "4:2"])
+    def test_a_bad_length_is_refused(self, bad, capsys):
+        with pytest.raises(SystemExit):
+            parse_args(["--smoke", "--output-len", bad])
+        assert "--output-len: bad length range" in capsys.readouterr().err
+
+
 class TestLoadGeneratorProcesses:
     def test_one_an_engine_replica_by_default(self):
         assert parse_args(["--smoke"]).clients == 1
