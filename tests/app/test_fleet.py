@@ -3,6 +3,10 @@ replica that starts later reads (replicas/adapter_ledger.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from app.fleet import REPLICA_FAILED, ServeFleetClient
@@ -129,3 +133,20 @@ async def test_a_dead_replica_is_reported_without_rays_internals():
     )
     assert reply.reason == REPLICA_FAILED
     assert "actor_id: ab12" in reply.detail  # for the log
+
+
+def test_the_ledger_is_read_without_importing_the_engine():
+    """An ingress's first ledger read (a client listing adapters) imports `RayLedger`; the
+    engine and torch with it would hold its loop's GIL for seconds."""
+    code = """
+import sys
+from app.fleet import ServeFleetClient
+from replicas.deployment import RayLedger
+assert RayLedger("app", "Engine").prefix == "adapters::app::Engine::"
+for name in ("replicas.engine", "replicas.deployment.replica", "torch"):
+    assert name not in sys.modules, name
+from replicas.deployment import EngineDeployment
+assert "replicas.engine" in sys.modules and EngineDeployment.name == "EngineDeployment"
+"""
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
