@@ -1,0 +1,237 @@
+"""What Serve's own request path costs the host with nothing of ours in it: the floor under the
+served path's CPU a request (docs/perf/serving.md, "Serve's floor a request").
+
+    python -m benchmarks.bench_serve_floor                   # 1,024 requests, 128 at once
+    python -m benchmarks.bench_serve_floor --requests 4096 --concurrency 512
+
+Serve is started with the app's own settings (`app.main.CONTROLLER_OPTIONS`: HAProxy in front;
+`app.main.replica_env()` for each replica), and one null ingress and one null engine deployment
+are deployed the way `app.main.build_app` deploys ours. Two routes, each a row:
+
+- `http`: the ingress streams two server-sent events (the first token, then the end) `--hold-s`
+  apart and calls nothing: HAProxy, uvicorn, Serve's direct ingress and FastAPI.
+- `http + engine call`: the same, with the events taken from one streaming call to the null
+  engine (`app.ingress.engine_handle`, gRPC, a multiplexed model id, Serve's default router):
+  what every request of the app pays besides its own work, as ours carries its first and last
+  chunk on its own call and the tokens between on a shared channel.
+
+Each row: a warm-up burst, the serving processes' CPU over an idle period (`--idle-s`: its rate,
+over the burst's duration, is subtracted), then `--requests` requests with `--concurrency` open
+at once. Figures: each role's CPU a request (proxy: HAProxy and Serve's proxy; the ingress; the
+engine replica), their idle rates, and the sum a token at `--output-tokens` (128: the saturated
+workload's outputs), set against the 50 µs a token the served path aims at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import free_port, write_results
+
+APP_NAME = "serve-floor"
+ROUTE = "/serve-floor"
+ROLES = ("proxy", "ingress", "engine")
+TARGET_US_PER_TOKEN = 50.0  # the served path's aim (host CPU a delivered token)
+ROWS = {"http": "/v1/null", "http + engine call": "/v1/call"}
+
+
+def build_app(hold_s: float) -> Any:
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from ray import serve
+
+    from app.ingress import engine_handle
+    from app.main import replica_env
+
+    api = FastAPI()
+    options = {"num_cpus": 0, "runtime_env": {"env_vars": replica_env()}}
+
+    @serve.deployment(max_ongoing_requests=100_000, ray_actor_options=options)
+    class NullEngine:
+        async def generate(self, request: str, caller: str):  # noqa: ANN201
+            yield request
+            await asyncio.sleep(hold_s)
+            yield request
+
+    @serve.deployment(max_ongoing_requests=100_000, ray_actor_options=options)
+    @serve.ingress(api)
+    class NullIngress:
+        def __init__(self, engine: Any) -> None:
+            self._engine = engine_handle(engine)
+
+        # No annotations: FastAPI resolves them in the module's globals, not this scope.
+        @api.post(ROWS["http"], response_model=None)
+        async def null(self):  # noqa: ANN202
+            async def events():
+                yield b"data: {}\n\n"
+                await asyncio.sleep(hold_s)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @api.post(ROWS["http + engine call"], response_model=None)
+        async def call(self):  # noqa: ANN202
+            stream = self._engine.options(stream=True, multiplexed_model_id="a").generate
+            response = stream.remote("request", "caller")
+
+            async def events():
+                async for _ in response:
+                    yield b"data: {}\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+    return NullIngress.bind(NullEngine.bind())  # type: ignore[attr-defined]
+
+
+async def send(url: str, n: int, concurrency: int, body_bytes: int) -> float:
+    """`n` streaming requests, `concurrency` open at once; returns the seconds they took.
+    Raises if one does not end 200."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    body = {"model": "a", "prompt": "x" * body_bytes, "stream": True}
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def one() -> None:
+            async with gate, client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"status {r.status_code}")
+                async for _ in r.aiter_bytes():
+                    pass
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        return time.perf_counter() - t0
+
+
+def role_cpu_s(processes: list) -> dict[str, float]:
+    """User + system CPU seconds by role over `processes` (from /proc)."""
+    from benchmarks.serve_cpu import cpu_seconds
+
+    out = dict.fromkeys(ROLES, 0.0)
+    for p in processes:
+        seconds = cpu_seconds(p.pid)
+        if seconds is not None and p.role in out:
+            out[p.role] += seconds
+    return out
+
+
+def figures(
+    busy: dict[str, float],
+    idle: dict[str, float],
+    idle_s: float,
+    duration_s: float,
+    n: int,
+    output_tokens: int,
+) -> dict[str, Any]:
+    """A row's figures: each role's CPU a request over the burst, less its idle rate over the
+    burst's duration (never below zero: a clock tick is 10 ms), and their sum a token."""
+    row: dict[str, Any] = {"requests": n, "duration_s": duration_s}
+    total = 0.0
+    for role in ROLES:
+        rate = idle[role] / idle_s if idle_s > 0 else 0.0
+        net = max(0.0, busy[role] - rate * duration_s)
+        row[f"{role}_ms_per_request"] = 1e3 * net / n
+        row[f"{role}_idle_cores"] = rate
+        total += net
+    row["ms_per_request"] = 1e3 * total / n
+    row["us_per_token"] = 1e6 * total / n / output_tokens
+    row["of_target"] = row["us_per_token"] / TARGET_US_PER_TOKEN
+    return row
+
+
+def measure(url: str, processes: list, args: argparse.Namespace) -> dict[str, Any]:
+    asyncio.run(send(url, args.warmup, args.concurrency, args.body_bytes))
+    time.sleep(0.5)  # the warm-up's last streams close
+    before = role_cpu_s(processes)
+    time.sleep(args.idle_s)
+    idle = {r: s - before[r] for r, s in role_cpu_s(processes).items()}
+    before = role_cpu_s(processes)
+    duration = asyncio.run(send(url, args.requests, args.concurrency, args.body_bytes))
+    busy = {r: s - before[r] for r, s in role_cpu_s(processes).items()}
+    return figures(busy, idle, args.idle_s, duration, args.requests, args.output_tokens)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Start Ray and Serve on `args.port` (or deploy beside a running one, as the tests do),
+    measure each row, shut down or delete what was started."""
+    import ray
+    from ray import serve
+
+    from app.main import CONTROLLER_OPTIONS
+    from benchmarks.serve_cpu import serving_processes
+
+    owned = not ray.is_initialized()
+    port = args.port or free_port()
+    if owned:
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False)
+    try:
+        if owned:
+            serve.start(
+                http_options={"host": "127.0.0.1", "port": port},
+                controller_options=CONTROLLER_OPTIONS,
+            )
+        serve.run(build_app(args.hold_s), name=APP_NAME, route_prefix=ROUTE)
+        processes = serving_processes(APP_NAME, "NullIngress", "NullEngine")
+        rows = []
+        for what, path in ROWS.items():
+            url = f"http://127.0.0.1:{port}{ROUTE}{path}"
+            rows.append({"what": what} | measure(url, processes, args))
+        return rows
+    finally:
+        if owned:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            serve.delete(APP_NAME)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=128, help="requests open at once")
+    ap.add_argument("--hold-s", type=float, default=0.2, help="first to last event, a request")
+    ap.add_argument("--body-bytes", type=int, default=2000, help="prompt characters a request")
+    ap.add_argument("--idle-s", type=float, default=5.0, help="idle period measured, a row")
+    ap.add_argument("--output-tokens", type=int, default=128, help="tokens a request, for µs/token")
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--name", default="serve_floor")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    counts = (args.requests, args.warmup, args.concurrency, args.output_tokens)
+    if min(counts) < 1 or args.hold_s < 0 or args.idle_s <= 0:
+        ap.error("--requests, --warmup, --concurrency, --output-tokens >= 1; --hold-s >= 0; "
+                 "--idle-s > 0")  # fmt: skip
+    rows = run(args)
+    columns = ["what", "requests", "duration_s", "proxy_ms_per_request", "ingress_ms_per_request",
+               "engine_ms_per_request", "ms_per_request", "us_per_token", "of_target"]  # fmt: skip
+    return write_results(
+        args.out,
+        args.name,
+        "Serve's own request path: host CPU a request with null handlers",
+        f"the floor a token at {args.output_tokens}-token outputs against the served path's aim "
+        f"of {TARGET_US_PER_TOKEN:g} µs a token (of_target)",
+        columns,
+        rows,
+        extra={
+            "concurrency": args.concurrency,
+            "hold_s": args.hold_s,
+            "body_bytes": args.body_bytes,
+            "output_tokens": args.output_tokens,
+            "idle_s": args.idle_s,
+            "cpus": os.cpu_count(),
+        },  # fmt: skip
+    )
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]))
