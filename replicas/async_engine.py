@@ -56,6 +56,28 @@ class _Stream:
     emitted: int = 0  # tokens handed out so far; the core's report thread
 
 
+class _Held:
+    """A request's tokens waiting in a channel, appended to at each step; made a chunk when the
+    channel sends them."""
+
+    __slots__ = ("num_prompt_tokens", "request_id", "start", "token_ids")
+
+    def __init__(self, request_id: str, start: int, token_ids: list[int], num_prompt_tokens: int):
+        self.request_id = request_id
+        self.start = start
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+
+    @classmethod
+    def of(cls, chunk: GenerateChunk) -> _Held:
+        return cls(chunk.request_id, chunk.start, list(chunk.token_ids), chunk.num_prompt_tokens)
+
+    def chunk(self) -> GenerateChunk:
+        return GenerateChunk(
+            self.request_id, self.token_ids, None, self.num_prompt_tokens, start=self.start
+        )
+
+
 class Channel:
     """One caller's batched tokens (see the module docstring). `pending` is guarded by the
     front's lock: the core's report thread adds to it, `batches` takes it whole."""
@@ -71,7 +93,7 @@ class Channel:
         self.loop = loop
         self.interval_s = interval_s  # read before each batch: it follows the replica's load
         self._lock = lock
-        self.pending: dict[str, GenerateChunk] = {}  # request id -> its tokens not yet sent
+        self.pending: dict[str, _Held] = {}  # request id -> its tokens not yet sent
         self.closed = False
         self._ready = asyncio.Event()  # set when pending turns non-empty, or on close
         self._sent_at = -float("inf")
@@ -98,7 +120,7 @@ class Channel:
             with self._lock:
                 if self.closed:
                     return
-                batch = list(self.pending.values())
+                batch = [held.chunk() for held in self.pending.values()]
                 self.pending.clear()
             if batch:
                 self._sent_at = self.loop.time()
@@ -239,7 +261,7 @@ class AsyncEngine:
                 del self._channels[channel.key]
             channel.closed = True
             pending, channel.pending = channel.pending, {}
-            batches = self._route_to_streams(pending.values())
+            batches = self._route_to_streams(held.chunk() for held in pending.values())
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
         channel.wake()
@@ -306,7 +328,7 @@ class AsyncEngine:
         for request_id, engine_error in report.errors:
             self._send(request_id, _error_chunk(request_id, engine_error))
         if report.stepped:
-            self._deliver_all(report.outputs)
+            self._deliver_all(report.outputs, report.tokens)
 
     def _on_stopped(self, why: str) -> None:
         """On the core's thread, once its loop has ended: nothing more will come, so every live
@@ -328,18 +350,46 @@ class AsyncEngine:
         for loop, future in calls.values():
             loop.call_soon_threadsafe(_settle, future, None, EngineStopped(why))
 
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, handed to each caller loop in one callback: one wake-up of the loop
-        per step, not one per request. A request's tokens after its first chunk go to its
-        caller's channel when one is open; its last chunk takes what the channel still holds of
-        it and goes to its own stream."""
+    def _deliver_all(
+        self,
+        outputs: list[RequestOutput],
+        tokens: Iterable[tuple[str, list[int], int]] = (),
+    ) -> None:
+        """A step's outputs (`StepReport`: `tokens` only carry tokens), handed to each caller
+        loop in one callback: one wake-up of the loop per step, not one per request. A
+        request's tokens after its first chunk go to its caller's channel when one is open
+        (appended to what the channel holds of it: no chunk is made until the channel sends);
+        its last chunk takes what the channel still holds of it and goes to its own stream."""
         woken: list[Channel] = []
-        self.flowing = len(outputs)
+        chunks: list[GenerateChunk] = []
+        flowing = len(outputs)
         with self._lock:
-            chunks = []
+            for request_id, token_ids, num_prompt_tokens in tokens:
+                flowing += 1
+                stream = self._streams.get(request_id)
+                if stream is None:  # the caller went away; its abort is on the way
+                    continue
+                start = stream.emitted
+                stream.emitted += len(token_ids)
+                channel = self._channels.get(stream.channel_key) if stream.channel_key else None
+                if channel is None or start == 0:
+                    chunks.append(
+                        GenerateChunk(
+                            request_id, list(token_ids), None, num_prompt_tokens, start=start
+                        )  # fmt: skip
+                    )
+                    continue
+                held = channel.pending.get(request_id)
+                if held is not None:
+                    held.token_ids += token_ids
+                    continue
+                if not channel.pending:
+                    woken.append(channel)
+                channel.pending[request_id] = _Held(request_id, start, list(token_ids),
+                                                    num_prompt_tokens)  # fmt: skip
             for output in outputs:
                 stream = self._streams.get(output.request_id)
-                if stream is None:  # the caller went away; its abort is on the way
+                if stream is None:
                     continue
                 chunk = _chunk(output, stream.emitted)
                 first = stream.emitted == 0
@@ -348,14 +398,15 @@ class AsyncEngine:
                 if channel is not None and not first:
                     held = channel.pending.pop(output.request_id, None)
                     if held is not None:
-                        chunk = _merge(held, chunk)
-                    if not chunk.finished:
+                        chunk = _merge(held.chunk(), chunk)
+                    if not chunk.finished and chunk.error is None and chunk.metrics is None:
                         if not channel.pending:
                             woken.append(channel)
-                        channel.pending[output.request_id] = chunk
+                        channel.pending[output.request_id] = _Held.of(chunk)
                         continue
                 chunks.append(chunk)
             batches = self._route_to_streams(chunks)
+        self.flowing = flowing
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
         for channel in woken:

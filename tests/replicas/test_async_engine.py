@@ -12,7 +12,10 @@ import pytest
 from replicas.async_engine import MAX_CHUNK_INTERVAL_S, AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine_core import build_core
+from replicas.engine_loop import split_outputs
+from replicas.errors import ErrorKind
 from replicas.protocol import GenerateRequest
+from replicas.request import RequestOutput
 from tests.engines import GatedEngine
 from tests.replicas.conftest import greedy
 
@@ -234,3 +237,50 @@ async def test_a_channel_opened_mid_request_loses_and_repeats_nothing(engine):
     for i, own in enumerate(results):
         expected = [t for _, chunk in plain[f"r{i}"] for t in chunk]
         assert _assemble(own + from_channel.get(f"r{i}", [])) == expected
+
+
+def test_a_steps_outputs_carry_plain_tokens_as_tuples_and_the_rest_whole():
+    outputs = [
+        RequestOutput("a", [5], num_prompt_tokens=3),
+        RequestOutput("b", [6], "length", None, 4, {"queue_s": 0.1, "adapter_wait_s": 0.0}),
+        RequestOutput("c", [], "error", "boom", 2, error_kind=ErrorKind.INTERNAL),
+        RequestOutput("d", [7, 8], num_prompt_tokens=9),
+    ]
+    full, tokens = split_outputs(outputs)
+    assert [o.request_id for o in full] == ["b", "c"]
+    assert tokens == [("a", [5], 3), ("d", [7, 8], 9)]
+
+
+async def test_a_channel_holds_a_requests_tokens_as_one_chunk_until_it_sends():
+    """Token-only outputs of several steps become one chunk in the channel's batch (starting
+    where they start), and a request's end takes what the channel still holds of it."""
+    engine = AsyncEngine(_NullCore(), stream_interval_s=0.0)
+    channel = engine.open_channel("c")
+    streams = {}
+    for rid in ("x", "y"):
+        streams[rid] = engine.generate(GenerateRequest(rid, [1, 2], greedy(8)), channel_key="c")
+        pending = asyncio.ensure_future(streams[rid].__anext__())
+        await asyncio.sleep(0)
+        engine._deliver_all([], [(rid, [10], 2)])  # the first token: its own stream
+        assert (await pending).token_ids == [10]
+    engine._deliver_all([], [("x", [11], 2), ("y", [21], 2)])
+    engine._deliver_all([], [("x", [12, 13], 2)])
+    engine._deliver_all([RequestOutput("y", [22], "stop", None, 2, {"queue_s": 0.0})], [])
+    batch = await anext(channel.batches(idle_s=1.0))
+    assert [(c.request_id, c.start, c.token_ids, c.finished) for c in batch] == [
+        ("x", 1, [11, 12, 13], False)
+    ]
+    last = await anext(streams["y"])  # y's held token went with its last chunk
+    assert (last.start, last.token_ids, last.finish_reason) == (1, [21, 22], "stop")
+    engine.close_channel(channel)
+    for stream in streams.values():
+        await stream.aclose()
+
+
+class _NullCore:
+    """A core that takes every post and does nothing: the test drives `_deliver_all`."""
+
+    alive = True
+
+    def post(self, item: object) -> None:
+        pass
