@@ -14,6 +14,10 @@ are deployed the way `app.main.build_app` deploys ours. Two routes, each a row:
   engine (`app.ingress.engine_handle`, gRPC, a multiplexed model id, Serve's default router):
   what every request of the app pays besides its own work, as ours carries its first and last
   chunk on its own call and the tokens between on a shared channel.
+- `http + batched engine calls`: the requests that reach the ingress within `--flush-s` of
+  each other go to the engine as one call, and every request's events come back on one
+  streaming call per ingress: what the requests' own calls cost, seen from the other side
+  (the floor were the app to send its requests in batches on its channel).
 
 Each row: a warm-up burst, the serving processes' CPU over an idle period (`--idle-s`: its rate,
 over the burst's duration, is subtracted), then `--requests` requests with `--concurrency` open
@@ -29,6 +33,7 @@ import asyncio
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +45,14 @@ APP_NAME = "serve-floor"
 ROUTE = "/serve-floor"
 ROLES = ("proxy", "ingress", "engine")
 TARGET_US_PER_TOKEN = 50.0  # the served path's aim (host CPU a delivered token)
-ROWS = {"http": "/v1/null", "http + engine call": "/v1/call"}
+ROWS = {
+    "http": "/v1/null",
+    "http + engine call": "/v1/call",
+    "http + batched engine calls": "/v1/batched",
+}
 
 
-def build_app(hold_s: float) -> Any:
+def build_app(hold_s: float, flush_s: float) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
     from ray import serve
@@ -56,16 +65,63 @@ def build_app(hold_s: float) -> Any:
 
     @serve.deployment(max_ongoing_requests=100_000, ray_actor_options=options)
     class NullEngine:
+        def __init__(self) -> None:
+            self._outboxes: dict[str, asyncio.Queue] = {}  # caller -> (request id, last) events
+
         async def generate(self, request: str, caller: str):  # noqa: ANN201
             yield request
             await asyncio.sleep(hold_s)
             yield request
+
+        async def channel(self, caller: str):  # noqa: ANN201
+            """Every event of `caller`'s submitted requests, as many as are ready an item."""
+            outbox = self._outboxes.setdefault(caller, asyncio.Queue())
+            yield []  # open: submissions may follow
+            while True:
+                events = [await outbox.get()]
+                while not outbox.empty():
+                    events.append(outbox.get_nowait())
+                yield events
+
+        async def submit(self, caller: str, request_ids: list[str]) -> int:
+            outbox = self._outboxes[caller]
+            for rid in request_ids:
+                outbox.put_nowait((rid, False))
+
+            def finish() -> None:
+                for rid in request_ids:
+                    outbox.put_nowait((rid, True))
+
+            asyncio.get_running_loop().call_later(hold_s, finish)
+            return len(request_ids)
 
     @serve.deployment(max_ongoing_requests=100_000, ray_actor_options=options)
     @serve.ingress(api)
     class NullIngress:
         def __init__(self, engine: Any) -> None:
             self._engine = engine_handle(engine)
+            # The batched route: requests submitted an interval at a time, their events back
+            # on one channel.
+            self._caller = uuid.uuid4().hex
+            self._waiting: dict[str, asyncio.Queue] = {}  # request id -> its events
+            self._batch: list[str] = []
+            self._opened: asyncio.Event | None = None
+            self._tasks: set[asyncio.Task] = set()
+
+        async def _read_channel(self, opened: asyncio.Event) -> None:
+            response: Any = self._engine.options(stream=True).channel.remote(self._caller)
+            async for events in response:
+                opened.set()
+                for rid, last in events:
+                    waiting = self._waiting.get(rid)
+                    if waiting is not None:
+                        waiting.put_nowait(last)
+
+        def _flush(self) -> None:
+            batch, self._batch = self._batch, []
+            task = asyncio.ensure_future(self._engine.submit.remote(self._caller, batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
         # No annotations: FastAPI resolves them in the module's globals, not this scope.
         @api.post(ROWS["http"], response_model=None)
@@ -86,6 +142,30 @@ def build_app(hold_s: float) -> Any:
                 async for _ in response:
                     yield b"data: {}\n\n"
                 yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @api.post(ROWS["http + batched engine calls"], response_model=None)
+        async def batched(self):  # noqa: ANN202
+            if self._opened is None:
+                self._opened = asyncio.Event()
+                reader = asyncio.create_task(self._read_channel(self._opened))
+                self._tasks.add(reader)
+            await self._opened.wait()
+            rid = uuid.uuid4().hex
+            waiting: asyncio.Queue = asyncio.Queue()
+            self._waiting[rid] = waiting
+            self._batch.append(rid)
+            if len(self._batch) == 1:
+                asyncio.get_running_loop().call_later(flush_s, self._flush)
+
+            async def events():
+                try:
+                    while not await waiting.get():
+                        yield b"data: {}\n\n"
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    self._waiting.pop(rid, None)
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -179,7 +259,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 http_options={"host": "127.0.0.1", "port": port},
                 controller_options=CONTROLLER_OPTIONS,
             )
-        serve.run(build_app(args.hold_s), name=APP_NAME, route_prefix=ROUTE)
+        serve.run(build_app(args.hold_s, args.flush_s), name=APP_NAME, route_prefix=ROUTE)
         processes = serving_processes(APP_NAME, "NullIngress", "NullEngine")
         rows = []
         for what, path in ROWS.items():
@@ -200,6 +280,12 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--warmup", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=128, help="requests open at once")
     ap.add_argument("--hold-s", type=float, default=0.2, help="first to last event, a request")
+    ap.add_argument(
+        "--flush-s",
+        type=float,
+        default=0.002,
+        help="the batched route: how long new requests gather before one submit call",
+    )
     ap.add_argument("--body-bytes", type=int, default=2000, help="prompt characters a request")
     ap.add_argument("--idle-s", type=float, default=5.0, help="idle period measured, a row")
     ap.add_argument("--output-tokens", type=int, default=128, help="tokens a request, for µs/token")
@@ -208,9 +294,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     counts = (args.requests, args.warmup, args.concurrency, args.output_tokens)
-    if min(counts) < 1 or args.hold_s < 0 or args.idle_s <= 0:
+    if min(counts) < 1 or args.hold_s < 0 or args.idle_s <= 0 or args.flush_s < 0:
         ap.error("--requests, --warmup, --concurrency, --output-tokens >= 1; --hold-s >= 0; "
-                 "--idle-s > 0")  # fmt: skip
+                 "--idle-s > 0; --flush-s >= 0")  # fmt: skip
     rows = run(args)
     columns = ["what", "requests", "duration_s", "proxy_ms_per_request", "ingress_ms_per_request",
                "engine_ms_per_request", "ms_per_request", "us_per_token", "of_target"]  # fmt: skip
@@ -225,6 +311,7 @@ def main(argv: list[str] | None = None) -> Path:
         extra={
             "concurrency": args.concurrency,
             "hold_s": args.hold_s,
+            "flush_s": args.flush_s,
             "body_bytes": args.body_bytes,
             "output_tokens": args.output_tokens,
             "idle_s": args.idle_s,

@@ -23,7 +23,7 @@ def test_a_rows_figures_subtract_each_roles_idle_rate():
 @pytest.mark.parametrize(
     "argv",
     [["--requests", "0"], ["--concurrency", "0"], ["--hold-s", "-1"], ["--idle-s", "0"],
-     ["--output-tokens", "0"]],  # fmt: skip
+     ["--output-tokens", "0"], ["--flush-s", "-0.1"]],  # fmt: skip
 )
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit) as e:

@@ -1,5 +1,5 @@
-"""The floor benchmark (`benchmarks/bench_serve_floor.py`) on the shared e2e cluster: both rows
-run every request through HAProxy (or Serve's proxy), the null ingress and, for the call row,
+"""The floor benchmark (`benchmarks/bench_serve_floor.py`) on the shared e2e cluster: every row
+runs every request through HAProxy (or Serve's proxy), the null ingress and, for the call rows,
 the null engine, and the figures have their shape. No timing is asserted."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from benchmarks.bench_serve_floor import ROLES, ROWS, main
 pytestmark = pytest.mark.serve
 
 
-def test_both_rows_run_and_are_reported(serve_cluster, tmp_path):
+def test_every_row_runs_and_is_reported(serve_cluster, tmp_path):
     port = urlparse(serve_cluster["url"]).port
     argv = ["--requests", "16", "--warmup", "4", "--concurrency", "8", "--hold-s", "0.05",
             "--idle-s", "0.5", "--output-tokens", "16", "--port", str(port),
@@ -22,7 +22,7 @@ def test_both_rows_run_and_are_reported(serve_cluster, tmp_path):
     path = main(argv)
     assert path == tmp_path / "floor.md"
     result = json.loads(path.with_suffix(".json").read_text())
-    assert [row["what"] for row in result["rows"]] == list(ROWS)
+    assert [row["what"] for row in result["rows"]] == list(ROWS)  # every route answered 200
     for row in result["rows"]:
         assert row["requests"] == 16 and row["duration_s"] > 0
         parts = [row[f"{role}_ms_per_request"] for role in ROLES]
