@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -265,6 +266,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for what, path in ROWS.items():
             url = f"http://127.0.0.1:{port}{ROUTE}{path}"
             rows.append({"what": what} | measure(url, processes, args))
+            # In the log too: a device call may not bring every results file back.
+            print(json.dumps(rows[-1]), flush=True)
         return rows
     finally:
         if owned:

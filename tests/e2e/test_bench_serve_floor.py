@@ -14,7 +14,7 @@ from benchmarks.bench_serve_floor import ROLES, ROWS, main
 pytestmark = pytest.mark.serve
 
 
-def test_every_row_runs_and_is_reported(serve_cluster, tmp_path):
+def test_every_row_runs_and_is_reported(serve_cluster, tmp_path, capsys):
     port = urlparse(serve_cluster["url"]).port
     argv = ["--requests", "16", "--warmup", "4", "--concurrency", "8", "--hold-s", "0.05",
             "--idle-s", "0.5", "--output-tokens", "16", "--port", str(port),
@@ -30,3 +30,6 @@ def test_every_row_runs_and_is_reported(serve_cluster, tmp_path):
         assert row["ms_per_request"] == pytest.approx(sum(parts))
         assert row["us_per_token"] == pytest.approx(1e3 * row["ms_per_request"] / 16)
     assert result["output_tokens"] == 16 and result["concurrency"] == 8
+    # Each row is in the log as it ends (a device call may not bring the files back).
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    assert printed == result["rows"]
