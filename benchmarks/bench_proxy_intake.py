@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import free_port, write_results
+from benchmarks.common import serve_on, write_results
 from benchmarks.serve_hops import quantile, read_hops, read_proxy_log
 from replicas import hop_log
 
@@ -149,16 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(CONTROLLER_OPTIONS["runtime_env"]["env_vars"])
     env["RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"] = "1"  # every access line, at once
     stamps = tempfile.mkdtemp(prefix="proxy-intake-")
-    owned = not ray.is_initialized()
-    port = args.port or free_port()
-    if owned:
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False)
-    try:
-        if owned:
-            serve.start(
-                http_options={"host": "127.0.0.1", "port": port},
-                controller_options={"runtime_env": {"env_vars": env}},
-            )
+    with serve_on(args.port, APP_NAME, {"runtime_env": {"env_vars": env}}) as port:
         ingress = build_ingress(stamps, args.hold_s, args.ingress_replicas)
         serve.run(ingress, name=APP_NAME, route_prefix=ROUTE)
         url = f"http://127.0.0.1:{port}{ROUTE}"
@@ -179,12 +170,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         haproxies = sum(p.spawned for p in proxies)
         return figures(t0, arrivals, begins, args.requests, cpu) | {"haproxy_processes": haproxies}
-    finally:
-        if owned:
-            serve.shutdown()
-            ray.shutdown()
-        else:
-            serve.delete(APP_NAME)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -217,8 +202,12 @@ def main(argv: list[str] | None = None) -> Path:
         "of N engine replicas at it (an H200 prefills one in about 0.5 s)",
         columns,
         rows,
-        extra={"ingress_replicas": args.ingress_replicas, "hold_s": args.hold_s,
-               "body_bytes": args.body_bytes, "cpus": os.cpu_count()},  # fmt: skip
+        extra={
+            "ingress_replicas": args.ingress_replicas,
+            "hold_s": args.hold_s,
+            "body_bytes": args.body_bytes,
+            "cpus": os.cpu_count(),
+        },  # fmt: skip
     )
 
 

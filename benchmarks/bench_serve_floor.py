@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import free_port, write_results
+from benchmarks.common import serve_on, write_results
 
 APP_NAME = "serve-floor"
 ROUTE = "/serve-floor"
@@ -195,13 +195,13 @@ async def send(url: str, n: int, concurrency: int, body_bytes: int) -> float:
 
 def role_cpu_s(processes: list) -> dict[str, float]:
     """User + system CPU seconds by role over `processes` (from /proc)."""
-    from benchmarks.serve_cpu import cpu_seconds
+    from benchmarks.serve_cpu import read_all
 
+    seconds = read_all(processes)
     out = dict.fromkeys(ROLES, 0.0)
     for p in processes:
-        seconds = cpu_seconds(p.pid)
-        if seconds is not None and p.role in out:
-            out[p.role] += seconds
+        if p.role in out and p.pid in seconds:
+            out[p.role] += seconds[p.pid]
     return out
 
 
@@ -244,22 +244,12 @@ def measure(url: str, processes: list, args: argparse.Namespace) -> dict[str, An
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Start Ray and Serve on `args.port` (or deploy beside a running one, as the tests do),
     measure each row, shut down or delete what was started."""
-    import ray
     from ray import serve
 
     from app.main import CONTROLLER_OPTIONS
     from benchmarks.serve_cpu import serving_processes
 
-    owned = not ray.is_initialized()
-    port = args.port or free_port()
-    if owned:
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False)
-    try:
-        if owned:
-            serve.start(
-                http_options={"host": "127.0.0.1", "port": port},
-                controller_options=CONTROLLER_OPTIONS,
-            )
+    with serve_on(args.port, APP_NAME, CONTROLLER_OPTIONS) as port:
         serve.run(build_app(args.hold_s, args.flush_s), name=APP_NAME, route_prefix=ROUTE)
         processes = serving_processes(APP_NAME, "NullIngress", "NullEngine")
         rows = []
@@ -269,12 +259,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             # In the log too: a device call may not bring every results file back.
             print(json.dumps(rows[-1]), flush=True)
         return rows
-    finally:
-        if owned:
-            serve.shutdown()
-            ray.shutdown()
-        else:
-            serve.delete(APP_NAME)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -14,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -118,6 +119,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def serve_on(port: int | None, app_name: str, controller_options: dict) -> Iterator[int]:
+    """A local cluster with Serve's HTTP on `port` (a free one if None), for one benchmark
+    app: yields the port. In a process already connected to a cluster with Serve on `port`
+    (the tests'), nothing is started and only `app_name` is deleted after; otherwise Ray and
+    Serve are started with `controller_options` and shut down after."""
+    import ray
+    from ray import serve
+
+    owned = not ray.is_initialized()
+    port = port or free_port()
+    if owned:
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False)
+    try:
+        if owned:
+            serve.start(
+                http_options={"host": "127.0.0.1", "port": port},
+                controller_options=controller_options,
+            )
+        yield port
+    finally:
+        if owned:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            serve.delete(app_name)
 
 
 def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
