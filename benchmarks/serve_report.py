@@ -117,6 +117,8 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
         for p in ("p50", "p90", "p99"):
             v = s[key][p]
             figures[f"{name}_{p}_{unit}"] = None if v is None else v * scale
+    if s.get("slowest_ttft"):
+        figures["slowest_ttft"] = s["slowest_ttft"]
     written = s.get("write_ms") or {}
     if written.get("p50") is not None:  # through HTTP: until each request was on the wire
         figures["write_p50_ms"], figures["write_p99_ms"] = written["p50"], written["p99"]

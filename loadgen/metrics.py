@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from loadgen.records import RequestRecord
 
 PERCENTILES = (50, 90, 99)
+SLOWEST_TTFT = 8  # the slowest first tokens a summary lists
 
 
 def chunk_token_counts(num_chunks: int, output_tokens: int) -> list[int]:
@@ -116,6 +118,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         # Until the request was on the wire (HTTP clients only; the TCP connect included).
         "write_ms": distribution_ms(r.written_s for r in ok if r.written_s is not None),
         "multi_token_chunk_share": _multi_token_chunk_share(ok),
+        "slowest_ttft": slowest_ttft(ok),
         "errors": [
             {"status": status, "error": error, "count": count}
             for (status, error), count in errors.most_common(10)
@@ -127,6 +130,23 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         summary["goodput"] = per_s(good)
         summary["slo_attainment"] = good / len(records) if records else None
     return summary
+
+
+def slowest_ttft(records: Sequence[RequestRecord], count: int = SLOWEST_TTFT) -> list[dict]:
+    """The `count` slowest first tokens, slowest first, with when each request was due (s from
+    the run's start) and its prompt: a tail that clusters in time is a stall somewhere on the
+    path; one at the run's start is a cold path; one spread out follows the prompts."""
+    slow = sorted(
+        (r for r in records if r.ttft_s is not None), key=lambda r: -cast(float, r.ttft_s)
+    )
+    return [
+        {
+            "scheduled_s": round(r.scheduled_s, 3),
+            "ttft_ms": round(cast(float, r.ttft_s) * 1e3, 1),
+            "input_len": r.input_len,
+        }
+        for r in slow[:count]
+    ]
 
 
 def per_adapter(records: Sequence[RequestRecord]) -> dict[str, dict]:

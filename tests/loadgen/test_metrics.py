@@ -18,9 +18,12 @@ from loadgen.records import Outcome, RequestRecord
 from loadgen.server_stats import numeric_diff
 
 
-def ok(ttft: float, e2e: float, tokens: int, model: str = "a", **extra) -> RequestRecord:
+def ok(
+    ttft: float, e2e: float, tokens: int, model: str = "a", scheduled_s: float = 0.0, **extra
+) -> RequestRecord:
     return RequestRecord(
-        index=0, model=model, is_base=False, input_len=10, output_len=tokens, scheduled_s=0.0,
+        index=0, model=model, is_base=False, input_len=10, output_len=tokens,
+        scheduled_s=scheduled_s,
         outcome=Outcome.OK, sent_s=0.0, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens,
         num_chunks=tokens, **extra,
     )  # fmt: skip
@@ -114,6 +117,13 @@ class TestSummary:
         assert s["slo_attainment"] == pytest.approx(2 / 5)
         only_ttft = summarize(records, duration_s=2.0, slo=SLO(ttft_ms=100))
         assert only_ttft["goodput"] == pytest.approx(3 / 2.0)
+
+    def test_slowest_first_tokens_listed_slowest_first_with_when_they_were_due(self):
+        records = [ok(0.01 * i, 1.0, 3, scheduled_s=0.5 * i) for i in range(12)]
+        slow = summarize([*records, failed()], duration_s=6.0)["slowest_ttft"]
+        assert [x["ttft_ms"] for x in slow] == [110.0, 100.0, 90.0, 80.0, 70.0, 60.0, 50.0, 40.0]
+        assert [x["scheduled_s"] for x in slow[:2]] == [5.5, 5.0]
+        assert slow[0]["input_len"] == 10
 
     def test_no_successes_leaves_latencies_empty(self):
         s = summarize([failed(), failed()], duration_s=1.0, slo=SLO(ttft_ms=1))
