@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import gc
 import logging
 import multiprocessing
 import os
@@ -217,6 +218,12 @@ def _child_main(
         reports.send(_Failed(_portable(e)))
         return
     result, error = _portable_result(result, None)
+    # What start-up made (torch, the model, the warm-up) goes to the permanent generation, so
+    # the loop's collections never walk it: a full one over the imports alone took 130 ms on a
+    # 2-core CPU, a stall of every running request. Serve does the same to replica processes
+    # (RAY_SERVE_FREEZE_GC_ON_STARTUP); this child is ours.
+    gc.collect()
+    gc.freeze()
     reports.send(_Ready(result) if error is None else _Failed(error))
     loop = EngineLoop(engine, _PipeInbox(inbox), lambda report: _send_report(reports, report))
     try:

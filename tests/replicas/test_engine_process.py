@@ -5,6 +5,7 @@ down, killed, its parent killed, a failed start) leaves no stream or call hangin
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pickle
 import signal
@@ -64,6 +65,10 @@ def _sleep_forever(engine: Engine) -> None:
     time.sleep(3600)  # a call that never answers: pending when its process dies
 
 
+def _frozen_objects(engine: Engine) -> int:
+    return gc.get_freeze_count()
+
+
 def _raise_plain(engine: Engine, message: str) -> None:
     raise KeyError(message)
 
@@ -86,6 +91,10 @@ class TestTheSameEngine:
         stats, held = await process_engine.call(engine_calls.read_engine)
         assert isinstance(stats, EngineStats) and held == 0
         assert await process_engine.call(Engine.adapter_status) == {}
+
+    async def test_start_up_objects_are_out_of_the_loops_collections(self, process_engine):
+        # The child's own count: the model and the imports at least.
+        assert await process_engine.call(_frozen_objects) > 10_000
 
     async def test_a_calls_exception_round_trips_with_its_kind(self, process_engine):
         with pytest.raises(RequestRejected, match="not loaded") as caught:
