@@ -44,6 +44,7 @@ from benchmarks.serve_report import (
     roofline_row,
     row,
     save,
+    slowest_steps_of,
     step_figures,
 )
 from benchmarks.serve_roofline import FORMULA, Roofline, measure_ceilings, roofline
@@ -78,6 +79,7 @@ def in_process(
     app: AppArgs, model_dir: Path, device: str, work: list[Stream], warm: list[RequestSpec]
 ) -> dict[str, Measured]:
     from replicas.engine import Engine
+    from replicas.engine_calls import slowest_steps
 
     # Ray starts a replica's worker with OMP_NUM_THREADS=1 (its one CPU): on CPU the engine
     # here gets one torch thread too, or it would race the other processes for every core.
@@ -89,11 +91,16 @@ def in_process(
         drive(engine, warm, [0.0] * len(warm))
         out = {}
         for stream in work:
+            since, t0 = engine.num_steps, time.monotonic()
             result = drive(engine, stream.specs, stream.offsets().tolist())
             summary = summarize(result.records, result.duration_s)
             busy = [result.busy_s / result.duration_s] if result.duration_s > 0 else []
             steps = step_figures({"engine": result.stats[0]}, {"engine": result.stats[1]})
-            out[stream.label] = Measured(summary, busy, [summary["completed"]], steps=steps)
+            slow = [{"replica_id": "in-process", "steps": slowest_steps(engine, since, 8)}]
+            out[stream.label] = Measured(
+                summary, busy, [summary["completed"]], steps=steps,
+                slowest_steps=slowest_steps_of(slow, t0),
+            )  # fmt: skip
             print(stream.label, json.dumps(row(stream.label, "in-process", out[stream.label])),
                   flush=True)  # fmt: skip
         return out

@@ -30,7 +30,14 @@ from benchmarks.serve_cpu import (
     tcp_counters,
 )
 from benchmarks.serve_goodput import Goodput, Objectives, search
-from benchmarks.serve_report import Measured, fleet_figures, replica_timeline, row, step_figures
+from benchmarks.serve_report import (
+    Measured,
+    fleet_figures,
+    replica_timeline,
+    row,
+    slowest_steps_of,
+    step_figures,
+)
 from benchmarks.serve_workloads import Stream, Workload
 from loadgen import OpenAIClient, RequestSpec, run_benchmark
 from loadgen.runner import warm_up
@@ -101,7 +108,8 @@ async def http_run(
     tcp_before = tcp_counters()
     samples: list[tuple[float, str, int, int]] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_queues(handle, time.monotonic(), stop, samples))
+    t0 = time.monotonic()
+    sampler = asyncio.create_task(sample_queues(handle, t0, stop, samples))
     try:
         result = await run_benchmark(
             client, stream.specs, [stream.load], warmup=0, progress=sys.stderr.isatty()
@@ -115,6 +123,8 @@ async def http_run(
     cpu_after = read_all(processes)
     threads_after = read_threads(processes)
     after = await replica_stats(handle)
+    since = {rid: int(b.get("num_steps", 0)) for rid, b in before.items()}
+    slow = await handle.broadcast("slowest_steps", since).results_async(timeout_s=60)
     requests, busy = fleet_figures(before, after, report.summary["duration_s"])
     step_cpu = sum(
         float(a.get("step_cpu_s", 0.0)) - float(before.get(rid, {}).get("step_cpu_s", 0.0))
@@ -138,6 +148,7 @@ async def http_run(
         step_figures(before, after),
         replica_timeline(samples),
         {k: tcp_after[k] - tcp_before[k] for k in tcp_after if k in tcp_before},
+        slowest_steps_of(slow, t0),
     )
 
 

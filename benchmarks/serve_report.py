@@ -28,6 +28,22 @@ class Measured:
     steps: dict[str, float] | None = None  # step_figures
     timeline: dict[str, Any] | None = None  # replica_timeline, through HTTP
     tcp: dict[str, int] | None = None  # serve_cpu.tcp_counters' growth over the run, through HTTP
+    slowest_steps: list[dict[str, Any]] | None = None  # slowest_steps_of
+
+
+def slowest_steps_of(
+    answers: Sequence[Mapping[str, Any]], t0: float, count: int = 8
+) -> list[dict[str, Any]]:
+    """The run's `count` slowest engine steps over every replica, slowest first, from
+    `EngineDeployment.slowest_steps` answers; each step's start as seconds from `t0` (the run's
+    start on `time.monotonic()`, which a host's processes share), beside `slowest_ttft`."""
+    steps = [
+        {"replica": a["replica_id"], "at_s": round(step["started"] - t0, 3),
+         **{k: v for k, v in step.items() if k != "started"}}
+        for a in answers
+        for step in a["steps"]
+    ]  # fmt: skip
+    return sorted(steps, key=lambda step: -step["step_ms"])[:count]
 
 
 def fleet_figures(
@@ -119,6 +135,8 @@ def row(label: str, path: str, m: Measured) -> dict[str, Any]:
             figures[f"{name}_{p}_{unit}"] = None if v is None else v * scale
     if s.get("slowest_ttft"):
         figures["slowest_ttft"] = s["slowest_ttft"]
+    if m.slowest_steps:
+        figures["slowest_steps"] = m.slowest_steps
     written = s.get("write_ms") or {}
     if written.get("p50") is not None:  # through HTTP: until each request was on the wire
         figures["write_p50_ms"], figures["write_p99_ms"] = written["p50"], written["p99"]

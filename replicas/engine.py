@@ -259,7 +259,8 @@ class Engine:
         prefill_tokens = sum(s.num_new_tokens for s in sched.seqs if s.num_new_tokens > 1)
         self.adapters.after_step(loads, elapsed, prefill_tokens)
         self._timings.append(StepTiming(
-            sched.num_tokens, len(sched.seqs), loads.gated, self.runner.last_launch_s, elapsed
+            sched.num_tokens, len(sched.seqs), loads.gated, self.runner.last_launch_s, elapsed,
+            started,
         ))
         return tokens
 

@@ -44,6 +44,25 @@ def read_engine(engine: Engine) -> tuple[EngineStats, int]:
     return engine.stats(), engine.adapters.slots.num_held
 
 
+def slowest_steps(engine: Engine, since_step: int, count: int) -> list[dict[str, Any]]:
+    """The `count` slowest of the steps after step number `since_step` (of the most recent
+    STEP_LOG), slowest first: when each started (`time.monotonic()`), its batch, whether it
+    waited on an adapter copy, and its host launch and whole times in ms. A stall that was a
+    step shows here with its shape; one that was not leaves these at the usual step time."""
+    timings = sorted(engine.step_timings(since_step), key=lambda t: -t.total_s)[:count]
+    return [
+        {
+            "started": t.started,
+            "num_tokens": t.num_tokens,
+            "num_seqs": t.num_seqs,
+            "gated": t.gated,
+            "launch_ms": round(t.launch_s * 1e3, 2),
+            "step_ms": round(t.total_s * 1e3, 2),
+        }
+        for t in timings
+    ]
+
+
 def load_adapter(
     engine: Engine,
     name: str,

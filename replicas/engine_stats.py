@@ -20,6 +20,7 @@ class StepTiming:
     # ahead of them on the compute stream by a blocking load)
     launch_s: float  # host: from the step's start to its last launch
     total_s: float  # host: from the step's start until its sampled tokens were back
+    started: float = 0.0  # time.monotonic() at the step's start (one clock for a host's processes)
 
 
 @dataclass(frozen=True)

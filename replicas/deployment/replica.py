@@ -219,6 +219,13 @@ class EngineDeployment:
         """`stats()` with this replica's id, for readings gathered from every replica."""
         return {"replica_id": self.replica_id, **await self.stats()}
 
+    async def slowest_steps(self, since_step: dict[str, int], count: int = 8) -> dict[str, Any]:
+        """This replica's slowest steps after step number `since_step[replica id]` (0 when it
+        is not named), for readings gathered from every replica (`engine_calls.slowest_steps`)."""
+        since = int(since_step.get(self.replica_id, 0))
+        steps = await self.engine.call(engine_calls.slowest_steps, since, int(count))
+        return {"replica_id": self.replica_id, "steps": steps}
+
     async def _snapshot(self) -> ReplicaStats:
         engine_stats, num_held_slots = await self.engine.call(engine_calls.read_engine)
         return ReplicaStats(

@@ -24,6 +24,7 @@ from benchmarks.serve_report import (
     replica_timeline,
     row,
     save,
+    slowest_steps_of,
     step_figures,
 )
 from benchmarks.serve_roofline import (
@@ -304,6 +305,27 @@ class TestReport:
         assert r["tcp_counters"] == {"ListenOverflows": 3, "TCPSynRetrans": 5}
         assert r["replica_busy_until_s"] == [1.5, 1.0] and "samples" not in r
         assert len(r["replica_samples"]) == len(samples)
+
+    def test_slowest_steps_of_every_replica_slowest_first_from_the_runs_start(self):
+        def step(started: float, ms: float) -> dict:
+            return {"started": started, "num_tokens": 9, "num_seqs": 3, "gated": False,
+                    "launch_ms": 1.0, "step_ms": ms}  # fmt: skip
+
+        answers = [
+            {"replica_id": "a", "steps": [step(100.5, 30.0), step(101.0, 9.0)]},
+            {"replica_id": "b", "steps": [step(102.25, 700.0), step(100.1, 12.0)]},
+        ]
+        slow = slowest_steps_of(answers, t0=100.0, count=3)
+        assert [(s["replica"], s["at_s"], s["step_ms"]) for s in slow] == [
+            ("b", 2.25, 700.0), ("a", 0.5, 30.0), ("b", 0.1, 12.0),
+        ]  # fmt: skip
+        assert "started" not in slow[0] and slow[0]["num_tokens"] == 9
+        pcts = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
+        summary = summary_of(50.0, 30.0) | {"duration_s": 2.0}
+        summary |= {"ttft_ms": pcts, "itl_ms": pcts, "e2e_ms": pcts}
+        with_steps = Measured(summary, slowest_steps=slow)
+        assert row("1 adapter", "http", with_steps)["slowest_steps"] == slow
+        assert "slowest_steps" not in row("1 adapter", "http", Measured(summary))
 
     def test_results_files_hold_the_rows_and_the_ratios(self, tmp_path):
         args = parse_args(["--smoke", "--out", str(tmp_path)])

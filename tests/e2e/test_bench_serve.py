@@ -47,6 +47,17 @@ def test_both_paths_complete_every_request_on_timed_steps(results):
     assert all(running >= 0 and waiting >= 0 for _, _, running, waiting in samples)
     assert len(http["replica_busy_until_s"]) == 1
     assert 0 <= http["replica_busy_until_s"][0] <= samples[-1][0] + 0.005  # 2 decimals
+    # each path's slowest first tokens and engine steps, to place a stall in the run
+    (replica,) = {rid for _, rid, _, _ in samples}
+    for path in ("http", "in-process"):
+        r = rows[path]
+        ttft = [t["ttft_ms"] for t in r["slowest_ttft"]]
+        assert len(ttft) == 8 and ttft == sorted(ttft, reverse=True), path
+        steps = r["slowest_steps"]
+        assert 1 <= len(steps) <= 8, path
+        assert [s["step_ms"] for s in steps] == sorted((s["step_ms"] for s in steps), reverse=True)
+        assert all(-0.5 <= s["at_s"] <= r["duration_s"] + 0.5 for s in steps), (path, steps)
+    assert {s["replica"] for s in rows["http"]["slowest_steps"]} == {replica}
 
 
 def test_cpu_per_token_is_read_for_every_serving_process(results):

@@ -92,6 +92,20 @@ class TestTheSameEngine:
         assert isinstance(stats, EngineStats) and held == 0
         assert await process_engine.call(Engine.adapter_status) == {}
 
+    async def test_slowest_steps_after_a_step_number_on_this_hosts_clock(self, process_engine):
+        stats, _ = await process_engine.call(engine_calls.read_engine)
+        started = time.monotonic()
+        await tokens_of(process_engine)
+        slow = await process_engine.call(engine_calls.slowest_steps, stats.num_steps, 3)
+        assert len(slow) == 3
+        assert [s["step_ms"] for s in slow] == sorted((s["step_ms"] for s in slow), reverse=True)
+        # the child's monotonic clock is this process's: its steps began inside this window
+        assert all(started <= s["started"] <= time.monotonic() for s in slow)
+        assert all(s["num_tokens"] >= s["num_seqs"] >= 1 for s in slow)
+        assert all(0 <= s["launch_ms"] <= s["step_ms"] for s in slow)
+        stats, _ = await process_engine.call(engine_calls.read_engine)
+        assert await process_engine.call(engine_calls.slowest_steps, stats.num_steps, 3) == []
+
     async def test_start_up_objects_are_out_of_the_loops_collections(self, process_engine):
         # The child's own count: the model and the imports at least.
         assert await process_engine.call(_frozen_objects) > 10_000
