@@ -96,7 +96,7 @@ def in_process(
             summary = summarize(result.records, result.duration_s)
             busy = [result.busy_s / result.duration_s] if result.duration_s > 0 else []
             steps = step_figures({"engine": result.stats[0]}, {"engine": result.stats[1]})
-            slow = [{"replica_id": "in-process", "steps": slowest_steps(engine, since, 8)}]
+            slow = [{"replica_id": "in-process", "steps": slowest_steps(engine, since)}]
             out[stream.label] = Measured(
                 summary, busy, [summary["completed"]], steps=steps,
                 slowest_steps=slowest_steps_of(slow, t0),

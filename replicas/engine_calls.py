@@ -44,7 +44,12 @@ def read_engine(engine: Engine) -> tuple[EngineStats, int]:
     return engine.stats(), engine.adapters.slots.num_held
 
 
-def slowest_steps(engine: Engine, since_step: int, count: int) -> list[dict[str, Any]]:
+SLOWEST_STEPS = 8  # the slowest steps a reading lists
+
+
+def slowest_steps(
+    engine: Engine, since_step: int, count: int = SLOWEST_STEPS
+) -> list[dict[str, Any]]:
     """The `count` slowest of the steps after step number `since_step` (of the most recent
     STEP_LOG), slowest first: when each started (`time.monotonic()`), its batch, whether it
     waited on an adapter copy, and its host launch and whole times in ms. A stall that was a

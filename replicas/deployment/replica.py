@@ -219,7 +219,9 @@ class EngineDeployment:
         """`stats()` with this replica's id, for readings gathered from every replica."""
         return {"replica_id": self.replica_id, **await self.stats()}
 
-    async def slowest_steps(self, since_step: dict[str, int], count: int = 8) -> dict[str, Any]:
+    async def slowest_steps(
+        self, since_step: dict[str, int], count: int = engine_calls.SLOWEST_STEPS
+    ) -> dict[str, Any]:
         """This replica's slowest steps after step number `since_step[replica id]` (0 when it
         is not named), for readings gathered from every replica (`engine_calls.slowest_steps`)."""
         since = int(since_step.get(self.replica_id, 0))
